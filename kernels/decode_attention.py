@@ -1,0 +1,363 @@
+"""Flash-decoding attention for one new token per row over a left-padded KV cache.
+
+Cache layout (agreed with the prefix trie and the batch cache)
+--------------------------------------------------------------
+* Trie nodes store K/V as ``[L, 2, H_kv, T, D]`` (layer, k/v, kv head, token, dim).
+* The batch cache, per layer, is ``k_cache, v_cache: [B, H_kv, S, D]`` with
+  ``S`` the capacity.  Rows are LEFT-padded: row ``b``'s valid tokens occupy
+  columns ``[start[b], end)``; ``end`` is common to all rows (after each step
+  every row's valid tokens end at the same column).
+* K is stored after RoPE.
+* The new token of a decode step is written at column ``end``, then
+  ``end += 1``.  This kernel attends over ``[start[b], end)`` exactly as
+  passed: a caller that has already appended the new token's K/V at the old
+  ``end`` passes ``end + 1``.
+* Query head ``h`` uses KV head ``h // G`` with ``G = Hq // H_kv`` (Hugging
+  Face ``repeat_kv`` order).
+* Columns outside ``[start[b], end)`` are never loaded, so their contents
+  (stale data, NaN, inf) do not matter.
+
+Kernel design
+-------------
+Stage 1 (``_decode_stage1``), grid ``(B * H_kv, num_splits)``: the column range
+``[0, S)`` is cut into ``num_splits`` chunks of ``chunk`` columns (a multiple
+of ``BLOCK_N``).  Each program takes one (row, kv head, chunk), intersects
+the chunk with ``[start[b], end)`` (chunks wholly in the padding or past
+``end`` do no loads and write nothing), and loops over it in tiles of
+``BLOCK_N`` columns with an online softmax.  All ``G`` query heads that share
+the KV head are processed in the same program (padded to ``G_PAD``), so each
+K/V tile is read from memory once per KV head.  Scores and the P@V product
+use ``tl.dot`` (query heads padded to 16 rows) or a broadcast
+multiply-reduce in fp32, chosen by ``G`` (see ``_pick_config``).  It writes the
+normalised partial output and its log-sum-exp (base 2) per split.
+
+Stage 2 (``_decode_stage2``), grid ``(B * Hq,)``: merges the partials of the
+splits that overlap ``[start[b], end)`` with a log-sum-exp weighting and
+writes the output in ``q``'s dtype.  When ``num_splits == 1`` stage 1 writes
+the final output directly and stage 2 is skipped.
+
+CUDA graphs: ``num_splits`` depends only on ``B``, ``H_kv``, ``S`` and ``D``
+(never on ``end``), and ``end`` may be a 1-element int32 device tensor that
+the kernels read from memory, so a graph captured once per batch-size bucket
+stays valid while ``end`` and ``start`` change between replays.  With
+``end`` as a Python int the value is passed as an unspecialised scalar.
+
+On CPU tensors the same kernels run through Triton's interpreter when
+``TRITON_INTERPRET=1`` was set before ``triton`` was imported (slow, for tests);
+otherwise CPU calls fall back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["decode_attention", "choose_num_splits", "interpreter_active"]
+
+
+def _stage1_src(
+    Q, K, V, START, END_PTR, end_val,
+    MID_O, MID_LSE, OUT,
+    qk_scale,  # sm_scale * log2(e)
+    H_KV, CHUNK,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh,
+    NUM_SPLITS,
+    G: tl.constexpr, G_PAD: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    END_FROM_PTR: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+
+    if END_FROM_PTR:
+        end = tl.load(END_PTR).to(tl.int32)
+    else:
+        end = end_val
+    row_start = tl.load(START + b).to(tl.int32)
+    lo = tl.maximum(split * CHUNK, row_start)
+    hi = tl.minimum(split * CHUNK + CHUNK, end)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    heads = kvh * G + offs_g  # query heads of this kv head
+
+    q_ptrs = Q + b64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32)
+
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        else:
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        qk = qk * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_work = (tl.zeros([G_PAD], dtype=tl.int32) + lo) < hi  # [G_PAD] bool
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        out_ptrs = OUT + b64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        # MID_O: [B, Hq, NUM_SPLITS, BLOCK_D] fp32; MID_LSE: [B, Hq, NUM_SPLITS] fp32 (contiguous)
+        row = (b64 * (H_KV * G) + heads.to(tl.int64)) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(MID_O + row[:, None] * BLOCK_D + offs_d[None, :], o,
+                 mask=(mask_g & has_work)[:, None] & (offs_d < BLOCK_D)[None, :])
+        lse = m_i + tl.log2(l_safe)
+        tl.store(MID_LSE + row, lse, mask=mask_g & has_work)
+
+
+def _stage2_src(
+    MID_O, MID_LSE, START, END_PTR, end_val, OUT,
+    HQ, CHUNK, NUM_SPLITS,
+    stride_ob, stride_oh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    END_FROM_PTR: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HQ
+    h = pid % HQ
+    if END_FROM_PTR:
+        end = tl.load(END_PTR).to(tl.int32)
+    else:
+        end = end_val
+    row_start = tl.load(START + b).to(tl.int32)
+    first = row_start // CHUNK
+    last = (end - 1) // CHUNK
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    nonempty = (tl.zeros([SPLITS_PAD], dtype=tl.int32) + row_start) < end
+    mask_s = (offs_s >= first) & (offs_s <= last) & (offs_s < NUM_SPLITS) & nonempty
+    base = pid.to(tl.int64) * NUM_SPLITS
+    lse = tl.load(MID_LSE + base + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    o = tl.load(MID_O + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    num = tl.sum(w[:, None] * o, axis=0)
+    den = tl.sum(w, axis=0)
+    den = tl.where(den > 0.0, den, 1.0)
+    out = num / den
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+             mask=offs_d < D)
+
+
+_JIT_KW = {"_decode_stage1": dict(do_not_specialize=["end_val", "CHUNK", "NUM_SPLITS"]),
+           "_decode_stage2": dict(do_not_specialize=["end_val", "CHUNK", "NUM_SPLITS"])}
+
+_decode_stage1 = triton.jit(**_JIT_KW["_decode_stage1"])(_stage1_src)
+_decode_stage2 = triton.jit(**_JIT_KW["_decode_stage2"])(_stage2_src)
+
+
+def interpreter_active() -> bool:
+    """True when Triton's interpreter was enabled (``TRITON_INTERPRET=1``) before
+    ``triton`` was first imported; only then can the kernels run on CPU tensors
+    (Triton's own ``tl`` helpers are bound to the mode at import time)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_kernels():
+    """Interpreter versions of the kernels, for CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(_decode_stage1, InterpretedFunction):
+        return _decode_stage1, _decode_stage2
+    return (InterpretedFunction(_stage1_src, **_JIT_KW["_decode_stage1"]),
+            InterpretedFunction(_stage2_src, **_JIT_KW["_decode_stage2"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # H200 default, keeps CPU tests on the same split schedule
+
+
+def _pick_config(G: int, block_d: int, dtype: torch.dtype) -> Tuple[bool, int, int, int]:
+    """(use_dot, G_PAD, BLOCK_N, num_warps) for the stage-1 kernel."""
+    g_pad = triton.next_power_of_2(G)
+    use_dot = G >= 8
+    if use_dot:
+        g_pad = max(16, g_pad)
+        block_n = 64 if block_d <= 128 else 32
+        return True, g_pad, block_n, 4
+    # multiply-reduce: keep the [G_PAD, BLOCK_N, BLOCK_D] fp32 product near 8K elements
+    block_n = max(16, min(64, 8192 // (g_pad * block_d)))
+    return False, g_pad, block_n, 4
+
+
+def choose_num_splits(B: int, H_kv: int, S: int, block_n: int, num_sms: int = 132) -> Tuple[int, int]:
+    """(num_splits, chunk) for capacity ``S``: a function of shapes only, never of ``end``.
+
+    Aims for about 2 programs per SM over ``B * H_kv * num_splits`` stage-1
+    programs, with chunks of at least ``2 * block_n`` columns and a multiple of
+    ``block_n``.
+    """
+    S = max(int(S), 1)
+    target = 2 * num_sms
+    per_split = max(B * H_kv, 1)
+    splits = max(1, -(-target // per_split))
+    min_chunk = 2 * block_n
+    splits = min(splits, max(1, -(-S // min_chunk)), 256)
+    chunk = -(-S // splits)
+    chunk = -(-chunk // block_n) * block_n
+    splits = -(-S // chunk)
+    return splits, chunk
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    end: Union[int, torch.Tensor],
+    sm_scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    use_dot: Optional[bool] = None,
+    num_warps: Optional[int] = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per row over a left-padded KV cache.
+
+    q ``[B, Hq, D]`` (RoPE applied); k_cache, v_cache ``[B, H_kv, S, D]`` (last
+    dim contiguous); start int32 ``[B]`` (device tensor); end: int32 ``[1]``
+    device tensor (read by the kernel, CUDA-graph safe) or Python int.
+    Attends row ``b`` over columns ``[start[b], end)``.  Returns ``out``
+    ``[B, Hq, D]`` in ``q.dtype`` (written in place when given).
+
+    The keyword-only knobs override the heuristics (benchmarks/tests only).
+    """
+    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+    B, Hq, D = q.shape
+    Bk, H_kv, S, Dk = k_cache.shape
+    assert Bk == B and Dk == D, (q.shape, k_cache.shape)
+    assert Hq % H_kv == 0, "Hq must be a multiple of H_kv"
+    G = Hq // H_kv
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.dtype == v_cache.dtype
+    assert start.shape == (B,) and start.device == q.device
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        assert out.shape == q.shape and out.stride(-1) == 1
+
+    block_d = triton.next_power_of_2(D)
+    cfg_dot, g_pad, cfg_bn, cfg_warps = _pick_config(G, block_d, q.dtype)
+    if use_dot is not None and use_dot != cfg_dot:
+        cfg_dot = use_dot
+        g_pad = max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G)
+    if block_n is not None:
+        cfg_bn = block_n
+    if num_warps is not None:
+        cfg_warps = num_warps
+    if num_splits is None:
+        splits, chunk = choose_num_splits(B, H_kv, S, cfg_bn, _sm_count(q.device))
+    else:
+        splits = max(1, min(int(num_splits), -(-S // cfg_bn)))
+        chunk = -(-(-(-S // splits)) // cfg_bn) * cfg_bn
+        splits = -(-S // chunk)
+
+    if isinstance(end, torch.Tensor):
+        assert end.device == q.device and end.numel() >= 1
+        end_from_ptr, end_ptr, end_val = True, end, 0
+    else:
+        end_from_ptr, end_ptr, end_val = False, start, int(end)
+        assert 0 <= end_val <= S
+
+    if q.device.type == "cuda":
+        stage1, stage2 = _decode_stage1, _decode_stage2
+    elif interpreter_active():
+        stage1, stage2 = _interpreted_kernels()
+    else:
+        # CPU without Triton's interpreter: the kernels cannot run; use the torch reference.
+        from .reference import decode_attention_reference
+
+        out.copy_(decode_attention_reference(q, k_cache, v_cache, start, end, sm_scale))
+        return out
+
+    single = splits == 1
+    if single:
+        mid_o = mid_lse = out  # unused
+    else:
+        mid_o = torch.empty((B, Hq, splits, block_d), device=q.device, dtype=torch.float32)
+        mid_lse = torch.empty((B, Hq, splits), device=q.device, dtype=torch.float32)
+
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    stage1[(B * H_kv, splits)](
+        q, k_cache, v_cache, start, end_ptr, end_val,
+        mid_o, mid_lse, out,
+        float(sm_scale) * 1.4426950408889634,
+        H_kv, chunk,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        splits,
+        G=G, G_PAD=g_pad, D=D, BLOCK_D=block_d, BLOCK_N=cfg_bn,
+        END_FROM_PTR=end_from_ptr, USE_DOT=cfg_dot, DOT_PREC=dot_prec,
+        SINGLE_SPLIT=single,
+        num_warps=cfg_warps,
+    )
+    if not single:
+        stage2[(B * Hq,)](
+            mid_o, mid_lse, start, end_ptr, end_val, out,
+            Hq, chunk, splits,
+            out.stride(0), out.stride(1),
+            D=D, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(splits),
+            END_FROM_PTR=end_from_ptr,
+            num_warps=4 if block_d * triton.next_power_of_2(splits) >= 4096 else 2,
+        )
+    return out

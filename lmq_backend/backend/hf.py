@@ -1,0 +1,228 @@
+"""`HFBackend`: any Hugging Face causal LM behind the backend protocol, with a prefix trie of KV caches.
+
+Every prefill looks up the longest cached prefix of the sequence's token ids in the trie, computes only
+the rest and inserts what it computed; a sequence pins the trie node that covers its prefix until it
+is released. `cache_budget=0` turns the trie off: every prefill computes the whole prompt (the exact
+reference behaviour).
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cache.stats import CacheStats, TemplateStats
+from ..cache.trie import PrefixTrie, TrieNode
+from ..engine.runner import ModelRunner
+from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
+from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
+from ..runtime.vocab import VocabIndex
+from .protocol import Backend, Sequence
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(budget: int | float | str) -> int:
+    """A byte count from 1_000_000, "512MB", "2GB" or "1.5 GiB"."""
+    if isinstance(budget, (int, float)):
+        if budget < 0:
+            raise LMQBackendError(f"cache_budget must be >= 0, got {budget}")
+        return int(budget)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", str(budget).upper())
+    if not m or m.group(2) not in _UNITS:
+        raise LMQBackendError(f"cannot read cache_budget {budget!r}: use bytes or a string like '2GB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _resolve_dtype(dtype, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return getattr(torch, str(dtype))
+    except AttributeError:
+        raise LMQBackendError(f"unknown dtype {dtype!r}") from None
+
+
+class HFBackend(Backend):
+    """A local Hugging Face causal LM: `HFBackend("path/or/dir", device=, dtype=, cache_budget=)`.
+
+    `path` may be "default" for the embedded SmolLM2-135M-Instruct. Use `HFBackend.from_model` to wrap a
+    model and tokenizer you already hold."""
+
+    def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
+                 cache_budget: int | str = "2GB", name: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if str(path) == "default":
+            from .default_model import default_model_dir
+
+            path = default_model_dir()
+        if not Path(path).is_dir():
+            raise LMQBackendError(f"no model folder at {path!s} (lmq loads local folders only, never a hub)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
+        except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
+            raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
+        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path))
+
+    @classmethod
+    def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model") -> "HFBackend":
+        backend = cls.__new__(cls)
+        backend._setup(model.eval(), tokenizer, cache_budget, name)
+        return backend
+
+    def _setup(self, model, tokenizer, cache_budget, name: str) -> None:
+        self.name = name
+        self.model, self.tokenizer = model, tokenizer
+        self.runner = ModelRunner(model)
+        self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
+        self._extendable = ~self._vocab.special
+        self.trie = PrefixTrie(parse_bytes(cache_budget))
+        with_special = tokenizer("x").input_ids
+        plain = tokenizer("x", add_special_tokens=False).input_ids
+        self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
+        self.reset_stats()
+
+    # ----- protocol --------------------------------------------------------------------------------
+
+    @property
+    def vocab(self) -> VocabIndex:
+        return self._vocab
+
+    def sequence(self, template: str, max_len: int | None = None) -> Sequence:
+        max_len = min(max_len or DEFAULT_MAX_LEN, self.max_positions)
+        return Sequence(template=template, ids=list(self._start_ids), max_len=max_len)
+
+    async def extend(self, seq: Sequence, text: str) -> None:
+        if text:
+            seq.ids.extend(self._vocab.encode(text))
+            seq.text += text
+            self._check_length(seq, len(seq.ids))
+
+    async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
+        logits, cache = self._prefill(seq)
+        prompt_len = len(seq.ids)
+        generated: list[int] = []
+        computed = 0  # generated tokens whose K/V are in `cache`
+        stop = None
+        while True:
+            allowed, can_end = state.allowed(), state.can_end()
+            extendable = self._extendable if allowed is None else allowed & self._extendable
+            if not extendable.any():
+                if can_end:
+                    break
+                raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
+            if prompt_len + len(generated) >= seq.max_len:
+                if can_end:
+                    break
+                self._check_length(seq, prompt_len + len(generated) + 1)
+            token = sampler.select(logits, None if can_end else torch.from_numpy(extendable))
+            if can_end and not extendable[token]:
+                break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
+            generated.append(token)
+            stop = state.advance(token)
+            if stop is not None:
+                break
+            logits, cache = self.runner.decode(cache, token, prompt_len + computed)
+            computed += 1
+            self._totals.tokens_decoded += 1
+            self._template(seq).tokens_decoded += 1
+        if stop is None:
+            value, value_ids = state.text, generated
+        else:
+            value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode(stop.tail)
+        self._cache_generated(seq, cache, prompt_len, generated[: min(computed, stop.keep if stop else computed)])
+        seq.ids.extend(value_ids)
+        seq.text += value
+        return value
+
+    async def score(self, seq: Sequence, options: list[str]) -> list[float]:
+        logits, cache = self._prefill(seq)
+        return self.runner.score(cache, len(seq.ids), logits, [self._vocab.encode(o) for o in options])
+
+    def release(self, seq: Sequence) -> None:
+        self._pin(seq, None)
+
+    # ----- statistics ------------------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        self._totals = TemplateStats()
+        self._templates: dict[str, TemplateStats] = {}
+        self._evictions_at_reset = self.trie.evictions
+
+    def record_call(self, template: str, seconds: float) -> None:
+        t = self._templates.setdefault(template, TemplateStats())
+        t.calls += 1
+        t.latencies.append(seconds)
+        self._totals.calls += 1
+
+    def stats(self) -> CacheStats:
+        t = self._totals
+        return CacheStats(
+            lookups=t.lookups, hits=t.hits, tokens_requested=t.tokens_requested,
+            tokens_reused=t.tokens_reused, tokens_prefilled=t.tokens_prefilled,
+            tokens_decoded=t.tokens_decoded, evictions=self.trie.evictions - self._evictions_at_reset,
+            bytes_in_use=self.trie.bytes_in_use, nodes=len(self.trie), pinned_nodes=self.trie.pinned_nodes(),
+            per_template={k: TemplateStats(**{f: getattr(v, f) for f in TemplateStats.__slots__})
+                          for k, v in self._templates.items()},
+        )
+
+    def _template(self, seq: Sequence) -> TemplateStats:
+        return self._templates.setdefault(seq.template, TemplateStats())
+
+    # ----- the prefix trie ------------------------------------------------------------------------
+
+    def _check_length(self, seq: Sequence, n: int) -> None:
+        if n > seq.max_len:
+            raise LMQLengthError(
+                f"the prompt needs {n} tokens, more than max_len={seq.max_len}; raise it with "
+                f"`argmax(max_len=...)` (the model allows {self.max_positions})")
+
+    def _pin(self, seq: Sequence, node: TrieNode | None) -> None:
+        """Move the sequence's pin to `node` (None: drop it)."""
+        if node is not None:
+            self.trie.pin(node)
+        if seq.handle is not None:
+            self.trie.unpin(seq.handle)
+        seq.handle = node
+
+    def _path_kv(self, node: TrieNode) -> torch.Tensor | None:
+        parts = self.trie.path_kv(node)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+
+    def _prefill(self, seq: Sequence):
+        """Logits for the token after `seq.ids`, computing only what the trie does not hold."""
+        ids = seq.ids
+        if not ids:
+            raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
+        self._check_length(seq, len(ids))
+        node, n = self.trie.match(ids, limit=len(ids) - 1)
+        self._pin(seq, node)
+        for t in (self._totals, self._template(seq)):
+            t.record_prefill(len(ids), n)
+        logits, cache = self.runner.prefill(self._path_kv(node) if n else None, ids[n:], n)
+        self._insert(seq, node, ids[n:], cache, n)
+        return logits, cache
+
+    def _cache_generated(self, seq: Sequence, cache, start: int, ids: list[int]) -> None:
+        node = seq.handle
+        if ids and node is not None and node.depth == start:
+            self._insert(seq, node, ids, cache, start)
+
+    def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], cache, start: int) -> None:
+        if self.trie.budget_bytes == 0:
+            return
+        child = self.trie.insert(parent, ids, self.runner.kv_slice(cache, start, start + len(ids)))
+        if child is not None:
+            self._pin(seq, child)

@@ -1,0 +1,105 @@
+"""The backend protocol: what the query runtime asks of a model, and the registry of named backends.
+
+The runtime builds a query's prompt as a `Sequence` of segments (template text, interpolated values,
+generated values). It calls, in order, `extend` for literal text, `generate` to fill a hole under a
+constraint, and `score` for a `distribution` clause; `release` always runs at the end (also on failure
+or cancellation). Each segment is tokenized on its own, the same way whatever the backend caches, so
+cached and uncached runs see the same token ids.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import LMQBackendError
+
+if TYPE_CHECKING:
+    from ..cache.stats import CacheStats
+    from ..runtime.constraints import HoleState
+    from ..runtime.decoders import Sampler
+    from ..runtime.vocab import VocabIndex
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A query's prompt as it is built: token ids, text, and the backend's handle on its cached prefix."""
+
+    template: str
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    max_len: int = 2048
+    handle: Any = None  # owned by the backend (e.g. the pinned trie node)
+
+
+class Backend(abc.ABC):
+    """A model that queries run on. Subclasses implement the five methods below."""
+
+    name: str = "backend"
+
+    @property
+    @abc.abstractmethod
+    def vocab(self) -> "VocabIndex":
+        """The vocabulary index of the backend's tokenizer (for constraint masks)."""
+
+    @abc.abstractmethod
+    def sequence(self, template: str, max_len: int | None = None) -> Sequence:
+        """A new, empty sequence (holding the tokenizer's start tokens, if any) for a query template."""
+
+    @abc.abstractmethod
+    async def extend(self, seq: Sequence, text: str) -> None:
+        """Append literal text as one segment."""
+
+    @abc.abstractmethod
+    async def generate(self, seq: Sequence, state: "HoleState", sampler: "Sampler") -> str:
+        """Fill a hole: generate tokens under `state` with `sampler`, append them, return the value."""
+
+    @abc.abstractmethod
+    async def score(self, seq: Sequence, options: list[str]) -> list[float]:
+        """Log-probability of each option as the continuation of `seq` (seq is not changed)."""
+
+    @abc.abstractmethod
+    def release(self, seq: Sequence) -> None:
+        """The query is done with `seq` (finished, failed or cancelled): drop its pins."""
+
+    def stats(self) -> "CacheStats":
+        from ..cache.stats import CacheStats
+
+        return CacheStats()
+
+    def reset_stats(self) -> None:
+        pass
+
+    def record_call(self, template: str, seconds: float) -> None:
+        """A query call of `template` finished in `seconds` (for per-template latency stats)."""
+
+
+_REGISTRY: dict[str, Backend] = {}
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+
+
+def register_backend(name: str, backend: Backend | Callable[[], Backend]) -> None:
+    """Make `backend` available as `from "name"`; a callable is called on first use (lazy loading)."""
+    if isinstance(backend, Backend):
+        _REGISTRY[name] = backend
+    elif callable(backend):
+        _FACTORIES[name] = backend
+        _REGISTRY.pop(name, None)
+    else:
+        raise TypeError(f"register_backend expects a Backend or a factory, got {type(backend).__name__}")
+
+
+def get_backend(name: str = "default") -> Backend:
+    """The backend behind a name: a registered name, "default" (the embedded model) or "hf:<dir>"."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _FACTORIES:
+        _REGISTRY[name] = _FACTORIES.pop(name)()
+        return _REGISTRY[name]
+    if name == "default" or name.startswith("hf:"):
+        from .hf import HFBackend
+
+        _REGISTRY[name] = HFBackend("default" if name == "default" else name[3:])
+        return _REGISTRY[name]
+    known = ", ".join(sorted({"default", *_REGISTRY, *_FACTORIES})) or "none"
+    raise LMQBackendError(f"unknown model {name!r}: registered backends are {known}; use 'hf:<dir>' for a local model folder")

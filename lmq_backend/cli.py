@@ -1,0 +1,101 @@
+"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M]`."""
+from __future__ import annotations
+
+import argparse
+import ast as pyast
+import json
+import sys
+
+from .errors import LMQError
+
+
+def _read_source(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"lmq: cannot read {path}: {e.strerror}") from None
+
+
+def _parse_vars(items: list[str]) -> dict:
+    """`k=v` gives the string v; `k:=v` gives the Python literal v (a number, list, ...)."""
+    out = {}
+    for item in items:
+        if ":=" in item and item.index(":=") < item.index("=") + 1:
+            key, raw = item.split(":=", 1)
+            try:
+                out[key] = pyast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                raise SystemExit(f"lmq: --var {item}: {raw!r} is not a Python literal") from None
+        elif "=" in item:
+            key, value = item.split("=", 1)
+            out[key] = value
+        else:
+            raise SystemExit(f"lmq: --var {item}: write it as name=value (text) or name:=literal")
+    return out
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def cmd_run(args) -> int:
+    import lmq_backend as lmq
+
+    query = lmq.Query(_read_source(args.file), name=args.file if args.file != "-" else "stdin",
+                      model=args.model)
+    result = query.run_sync(**_parse_vars(args.var))
+    results = result if isinstance(result, list) else [result]
+    if args.json:
+        print(json.dumps([r.__dict__ if isinstance(r, lmq.Result) else _jsonable(r) for r in results],
+                         indent=2, default=repr))
+        return 0
+    for i, r in enumerate(results):
+        if len(results) > 1:
+            print(f"=== result {i + 1} of {len(results)} ===")
+        if not isinstance(r, lmq.Result):
+            print(r)
+            continue
+        print(r.prompt)
+        print("---")
+        for name, value in r.variables.items():
+            print(f"{name} = {value!r}")
+        if r.distribution:
+            print("distribution:")
+            for option, p in sorted(r.distribution.items(), key=lambda kv: -kv[1]):
+                print(f"  {p:7.4f}  {option!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmq", description="Run LMQL-style queries on local Hugging Face models, with a prefix KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run a query file and print the filled prompt and variables")
+    run.add_argument("file", help="a .lmq query file, or - for standard input")
+    run.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                     help="an input of the query: NAME=text, or NAME:=python-literal (repeatable)")
+    run.add_argument("--model", default=None,
+                     help='model to use instead of the query\'s `from`: "default", "hf:<dir>" or a registered name')
+    run.add_argument("--json", action="store_true", help="print the results as JSON")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LMQError as e:
+        print(f"lmq: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The query AST: what `grammar/lmq.lark` parses into, one class per grammar rule that matters.
+
+The language knows nothing of torch or backends. Python expressions inside a query are kept as their
+source text plus a code object compiled once at compile time (`PyExpr`); the runtime evaluates them with
+`eval(expr.code, env)` where `env` is one dict holding the caller's globals, the inputs and the
+variables assigned so far.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any, Union
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """1-based position of a construct in the query source."""
+
+    line: int
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
+class PyExpr:
+    """A Python expression: `source` compiled in "eval" mode; `names` are the free names it reads."""
+
+    source: str
+    code: CodeType
+    names: frozenset[str]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class PyStmt:
+    """A Python simple statement (assignment, augmented assignment, expression, pass/break/continue
+    excluded): `source` compiled in "exec" mode; `names` read, `assigned` names it binds."""
+
+    source: str
+    code: CodeType
+    names: frozenset[str]
+    assigned: frozenset[str]
+    span: Span
+
+
+# ----- prompt templates -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """Literal prompt text (escapes `[[ ]] {{ }}` and Python string escapes already resolved)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hole:
+    """`[NAME]`: a variable the model fills."""
+
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Interp:
+    """`{expr}`: a Python expression whose `str()` is inserted as literal text."""
+
+    expr: PyExpr
+
+
+Piece = Union[Text, Hole, Interp]
+
+
+# ----- constraints ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class And:
+    parts: tuple["Constraint", ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Or:
+    parts: tuple["Constraint", ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Not:
+    part: "Constraint"
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A constraint function applied to a hole: STOPS_AT, STOPS_BEFORE, INT, REGEX, STARTS_WITH, JSON,
+    GRAMMAR. `args` are the arguments after the hole, evaluated at run time."""
+
+    func: str
+    var: str
+    args: tuple[PyExpr, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """`VAR in <iterable of str>`: the value is exactly one of the options."""
+
+    var: str
+    options: PyExpr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Contains:
+    """`<str> in VAR`: the value contains the string (usually negated: `not "\\n" in VAR`)."""
+
+    var: str
+    needle: PyExpr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class LenLimit:
+    """`len(VAR) < n` (unit "chars") or `len(TOKENS(VAR)) < n` (unit "tokens"); op is "<" or "<="."""
+
+    var: str
+    unit: str
+    op: str
+    limit: PyExpr
+    span: Span
+
+
+Constraint = Union[And, Or, Not, Call, Choice, Contains, LenLimit]
+
+
+# ----- statements -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt string statement, with the constraints of its inline `where` (or None)."""
+
+    pieces: tuple[Piece, ...]
+    where: Constraint | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Exec:
+    """A Python simple statement run for its effect (assignment, call, ...)."""
+
+    stmt: PyStmt
+
+
+@dataclass(frozen=True, slots=True)
+class If:
+    """if/elif/else: the first branch whose test is true runs; `orelse` otherwise."""
+
+    branches: tuple[tuple[PyExpr, tuple["Stmt", ...]], ...]
+    orelse: tuple["Stmt", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class For:
+    """`for TARGET in ITER:`. `target` is a PyStmt compiled from `TARGET = __lmq_item__`."""
+
+    target: PyStmt
+    iter: PyExpr
+    body: tuple["Stmt", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    value: PyExpr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    span: Span
+
+
+Stmt = Union[Prompt, Exec, If, For, Return, Break, Continue]
+
+
+# ----- the query ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Decoder:
+    """`argmax`, `sample(n=4, temperature=0.8)`, `beam(n=3)`: arguments are Python literals."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+    span: Span = Span(1, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """`distribution VAR in [..]`: after the body, score each option for VAR instead of generating."""
+
+    var: str
+    options: PyExpr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAST:
+    decoder: Decoder
+    body: tuple[Stmt, ...]
+    model: str | None
+    where: Constraint | None
+    distribution: Distribution | None
+    source: str

@@ -1,0 +1,103 @@
+"""Decoders: how a token is picked from the logits of one row, among the tokens its constraint allows.
+
+`argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
+per-result generator, so a seeded run repeats whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import ast as pyast
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LMQCompileError, LMQNotSupportedError
+
+DEFAULT_MAX_LEN = 2048
+
+
+class Sampler:
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        """Pick a token id. logits: [V] float; allowed: bool [V] or None for every token."""
+        raise NotImplementedError
+
+
+class Greedy(Sampler):
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return int(torch.argmax(logits))
+
+
+class Sampling(Sampler):
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None):
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        logits = logits.float().cpu()
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.cpu(), float("-inf"))
+        if self.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """A decoder clause with its arguments checked: what the runtime needs to run a query."""
+
+    name: str = "argmax"
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_len: int = DEFAULT_MAX_LEN
+
+    @classmethod
+    def from_clause(cls, name: str, args: dict) -> "DecoderSpec":
+        """Check a decoder clause's arguments (the parser has checked their names)."""
+        if name not in ("argmax", "sample"):
+            raise LMQNotSupportedError(f"decoder {name!r} is not supported: use argmax or sample(...)"
+                                       + ("; beam decoding is not implemented yet" if name == "beam" else ""))
+        try:
+            spec = cls(name=name, **args)
+        except TypeError:
+            raise LMQCompileError(f"decoder {name}: unknown argument(s) in {sorted(args)}") from None
+        checks = [("n", isinstance(spec.n, int) and spec.n >= 1, "an integer >= 1"),
+                  ("temperature", isinstance(spec.temperature, (int, float)) and spec.temperature >= 0, "a number >= 0"),
+                  ("top_p", isinstance(spec.top_p, (int, float)) and 0 < spec.top_p <= 1, "a number in (0, 1]"),
+                  ("seed", spec.seed is None or isinstance(spec.seed, int), "an integer"),
+                  ("max_len", isinstance(spec.max_len, int) and spec.max_len >= 1, "an integer >= 1")]
+        for field_name, ok, what in checks:
+            if not ok:
+                raise LMQCompileError(f"decoder {name}: {field_name} must be {what}, got {getattr(spec, field_name)!r}")
+        return spec
+
+    @classmethod
+    def parse(cls, text: str) -> "DecoderSpec":
+        """A decoder given as text, e.g. "sample(n=3, temperature=0.7)" (for `@lmq.query(decoder=...)`)."""
+        try:
+            node = pyast.parse(text.strip(), mode="eval").body
+            if isinstance(node, pyast.Name):
+                return cls.from_clause(node.id, {})
+            if isinstance(node, pyast.Call) and isinstance(node.func, pyast.Name) and not node.args:
+                return cls.from_clause(node.func.id, {k.arg: pyast.literal_eval(k.value) for k in node.keywords})
+        except (SyntaxError, ValueError, TypeError) as e:
+            raise LMQCompileError(f"cannot read decoder {text!r}: {e}") from None
+        raise LMQCompileError(f"cannot read decoder {text!r}: write it like sample(n=3, temperature=0.7)")
+
+    def sampler(self, index: int) -> Sampler:
+        """The sampler of result number `index` (seeded runs give result i the seed `seed + i`)."""
+        if self.name == "argmax":
+            return Greedy()
+        seed = None if self.seed is None else self.seed + index
+        return Sampling(self.temperature, self.top_p, seed)

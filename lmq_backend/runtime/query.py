@@ -1,0 +1,178 @@
+"""Compiled queries: `lmq.compile(source)` and `@lmq.query`. A query parses and checks once; each call
+runs it on its backend and returns a `Result` (or what its `return` returned; a list for `sample(n>1)`)."""
+from __future__ import annotations
+
+import ast as pyast
+import asyncio
+import builtins
+import inspect
+import textwrap
+import time
+from typing import Any, Callable, Iterable
+
+from ..backend.protocol import Backend, get_backend
+from ..errors import LMQCompileError, LMQInputError
+from ..language import ast, check_query, free_names, parse_query
+from .constraints import NOT_LITERAL, check_constraint
+from .decoders import DecoderSpec
+from .interpreter import Result, Run
+
+_LITERAL_CALLS = {"set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sorted": sorted}
+
+
+def evaluate_literal(expr: ast.PyExpr) -> Any:
+    """The value of a constant expression (literals, and set/list/tuple/sorted of literals), else NOT_LITERAL."""
+    try:
+        return pyast.literal_eval(expr.source)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        node = pyast.parse(expr.source, mode="eval").body
+        if isinstance(node, pyast.Call) and isinstance(node.func, pyast.Name) and node.func.id in _LITERAL_CALLS \
+                and not node.keywords and len(node.args) <= 1:
+            args = [pyast.literal_eval(a) for a in node.args]
+            return _LITERAL_CALLS[node.func.id](*args)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    return NOT_LITERAL
+
+
+def _constraints(stmts: Iterable[ast.Stmt]):
+    for stmt in stmts:
+        if isinstance(stmt, ast.Prompt) and stmt.where is not None:
+            yield stmt.where
+        elif isinstance(stmt, ast.If):
+            for _, body in stmt.branches:
+                yield from _constraints(body)
+            yield from _constraints(stmt.orelse)
+        elif isinstance(stmt, ast.For):
+            yield from _constraints(stmt.body)
+
+
+class Query:
+    """A compiled query. Call it with its inputs as keyword arguments (`await q(review="...")`)."""
+
+    def __init__(self, source: str, *, name: str | None = None, model: str | Backend | None = None,
+                 decoder: str | None = None, inputs: Iterable[str] | None = None,
+                 scope: dict[str, Any] | None = None, signature: inspect.Signature | None = None):
+        self.source = source
+        self.ast = parse_query(source)
+        self.scope = dict(scope or {})
+        self.signature = signature
+        self.inputs = set(inputs) if inputs is not None else None
+        check_query(self.ast, self.inputs, set(self.scope))
+        for c in [*_constraints(self.ast.body), *([self.ast.where] if self.ast.where else [])]:
+            check_constraint(c, evaluate_literal)
+        self.decoder = (DecoderSpec.parse(decoder) if decoder is not None
+                        else DecoderSpec.from_clause(self.ast.decoder.name, self.ast.decoder.args))
+        self.model = model if model is not None else (self.ast.model or "default")
+        first = next((line.strip() for line in source.strip().splitlines() if line.strip()), "query")
+        self.name = name or first[:60]
+        self._needs = free_names(self.ast) - set(dir(builtins))
+
+    @property
+    def backend(self) -> Backend:
+        return self.model if isinstance(self.model, Backend) else get_backend(self.model)
+
+    async def run(self, inputs: dict[str, Any], backend: Backend | None = None):
+        """Run once with `inputs`; returns a Result, the query's return value, or a list of them for n > 1."""
+        missing = sorted(self._needs - inputs.keys() - self.scope.keys())
+        if missing:
+            raise LMQInputError(f"query {self.name!r} needs input(s) {', '.join(missing)}")
+        backend = backend or self.backend
+        started = time.perf_counter()
+        runs = [Run(query=self.ast, backend=backend, env={**self.scope, **inputs},
+                    sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
+                for i in range(self.decoder.n)]
+        results = await asyncio.gather(*(r.execute() for r in runs))
+        backend.record_call(self.name, time.perf_counter() - started)
+        has_return = _has_return(self.ast.body)
+        out = [r.value if has_return else r for r in results]
+        return out[0] if self.decoder.n == 1 else out
+
+    async def __call__(self, *args, **kwargs):
+        return await self.run(self._bind(args, kwargs))
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if self.signature is None:
+            if args:
+                raise LMQInputError(f"query {self.name!r} takes its inputs as keyword arguments")
+            return kwargs
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise LMQInputError(f"query {self.name!r}: {e}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def run_sync(self, *args, **kwargs):
+        """Blocking call, for scripts and notebooks."""
+        return _run_sync(self(*args, **kwargs))
+
+    async def map(self, inputs: Iterable[dict[str, Any]], concurrency: int = 32, progress: bool = False) -> list:
+        """Run over many inputs, at most `concurrency` at a time; results in input order."""
+        from asyncio_pool import AioPool
+
+        items = list(inputs)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(items), desc=self.name[:30])
+
+        async def one(item):
+            try:
+                return await self.run(dict(item))
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+        try:
+            async with AioPool(size=max(1, concurrency)) as pool:
+                futures = [await pool.spawn(one(item)) for item in items]
+            return [f.result() for f in futures]
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _has_return(stmts) -> bool:
+    for s in stmts:
+        if isinstance(s, ast.Return):
+            return True
+        if isinstance(s, ast.If) and (any(_has_return(b) for _, b in s.branches) or _has_return(s.orelse)):
+            return True
+        if isinstance(s, ast.For) and _has_return(s.body):
+            return True
+    return False
+
+
+def _run_sync(coro):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("run_sync cannot be called from a running event loop; use `await` instead")
+
+
+def compile(source: str, *, name: str | None = None, model: str | Backend | None = None,
+            inputs: Iterable[str] | None = None) -> Query:
+    """Parse and check a query once. The caller's module globals are visible to the query."""
+    caller = inspect.currentframe().f_back
+    return Query(source, name=name, model=model, inputs=inputs, scope=dict(caller.f_globals) if caller else {})
+
+
+def query(fn: Callable | None = None, *, model: str | Backend | None = None, decoder: str | None = None):
+    """Decorate a function whose docstring is a query; its parameters are the query's inputs."""
+    def wrap(f: Callable) -> Query:
+        doc = f.__doc__
+        if not doc or not doc.strip():
+            raise LMQCompileError(f"@lmq.query function {f.__name__} has no query in its docstring")
+        signature = inspect.signature(f)
+        q = Query(textwrap.dedent(doc), name=f.__name__, model=model, decoder=decoder,
+                  inputs=signature.parameters, scope=f.__globals__, signature=signature)
+        q.__doc__, q.__name__, q.__wrapped__ = doc, f.__name__, f
+        return q
+
+    return wrap if fn is None else wrap(fn)

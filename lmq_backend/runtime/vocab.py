@@ -1,0 +1,425 @@
+"""`VocabIndex`: everything the constraint masks need to know about a tokenizer, built once per tokenizer.
+
+The index sees every token as the exact UTF-8 bytes it contributes to decoded text (`token_bytes`):
+byte-level BPE (GPT-2, SmolLM2, Llama-3: the `bytes_to_unicode` alphabet), SentencePiece style (`▁` for a
+space, `<0xNN>` byte-fallback tokens) and added tokens (their literal content). Special/control tokens,
+ids past the tokenizer (a model whose logits are wider than the tokenizer) and tokens that contribute no
+bytes are `special`: they are never part of a value and never in a mask.
+
+The lookup structures make a mask a few numpy operations: `bytes_to_ids` (the tokens spelling exactly some
+bytes), a sorted table of token bytes (the tokens starting with some bytes are one bisect range),
+`token_prefixes` (every prefix of every token, to prune searches), `n_chars` (characters a token adds:
+its bytes that are not UTF-8 continuation bytes, so character counts add up token by token) and memoized
+per-pattern boolean arrays (`tokens_matching`, `tokens_containing`). Python loops over the vocabulary
+happen once per tokenizer, or once per pattern, never per generation step.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+import threading
+import weakref
+from functools import lru_cache
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["VocabIndex", "bytes_to_unicode"]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level alphabet: byte -> printable unicode character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+_registry: "weakref.WeakKeyDictionary[Any, dict[int, VocabIndex]]" = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def _decoder_types(node: Any, out: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        t = node.get("type")
+        if isinstance(t, str):
+            out.add(t)
+            if t == "Replace" and node.get("content") == " ":
+                pattern = node.get("pattern") or {}
+                if isinstance(pattern, dict) and pattern.get("String") == "▁":
+                    out.add("ReplaceMetaspace")
+        for v in node.values():
+            _decoder_types(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _decoder_types(v, out)
+    return out
+
+
+def _increment(prefix: bytes) -> bytes | None:
+    """The smallest bytes string greater than every string starting with `prefix` (None: no bound)."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    if not p:
+        return None
+    p[-1] += 1
+    return bytes(p)
+
+
+class VocabIndex:
+    """Per-tokenizer tables for vectorised constraint masks. Build with `VocabIndex.for_tokenizer`."""
+
+    size: int
+    token_bytes: list[bytes]
+    eos_ids: frozenset[int]
+    special: np.ndarray
+    nonspecial: np.ndarray
+    n_chars: np.ndarray
+    n_bytes: np.ndarray
+    bytes_to_ids: dict[bytes, np.ndarray]
+    sorted_bytes: list[bytes]
+    sorted_ids: np.ndarray
+    token_prefixes: frozenset[bytes]
+    max_token_bytes: int
+
+    # ----- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, size: int | None = None) -> "VocabIndex":
+        """The index of `tokenizer` for logits of width `size` (default: the tokenizer's length);
+        memoized per tokenizer object and size."""
+        n_tok = _tokenizer_length(tokenizer)
+        size = n_tok if size is None else int(size)
+        if size <= 0:
+            raise ValueError(f"vocabulary size must be positive, not {size}")
+        with _registry_lock:
+            try:
+                per_size = _registry.get(tokenizer)
+            except TypeError:  # not weak-referenceable or unhashable: fall back to an attribute
+                per_size = getattr(tokenizer, "_lmq_vocab_index", None)
+            if per_size is not None and size in per_size:
+                return per_size[size]
+        index = cls(tokenizer, size)
+        with _registry_lock:
+            try:
+                per_size = _registry.setdefault(tokenizer, {})
+            except TypeError:
+                per_size = getattr(tokenizer, "_lmq_vocab_index", None)
+                if per_size is None:
+                    per_size = {}
+                    setattr(tokenizer, "_lmq_vocab_index", per_size)
+            return per_size.setdefault(size, index)
+
+    def __init__(self, tokenizer: Any, size: int):
+        self.tokenizer = tokenizer
+        self.size = size
+        n_tok = min(_tokenizer_length(tokenizer), size)
+        token_bytes, special_ids = _token_bytes_table(tokenizer, n_tok)
+        token_bytes += [b""] * (size - len(token_bytes))
+        self.token_bytes = token_bytes
+        self.eos_ids = frozenset(i for i in _eos_ids(tokenizer) if 0 <= i < size)
+
+        special = np.zeros(size, dtype=bool)
+        special[n_tok:] = True
+        for i in special_ids | self.eos_ids:
+            if 0 <= i < size:
+                special[i] = True
+        n_bytes = np.fromiter((len(b) for b in token_bytes), dtype=np.int32, count=size)
+        special |= n_bytes == 0
+        self.special = special
+        self.nonspecial = ~special
+        self.n_bytes = n_bytes
+        self.n_chars = np.fromiter(
+            (sum(1 for c in b if c & 0xC0 != 0x80) for b in token_bytes), dtype=np.int32, count=size)
+
+        by_bytes: dict[bytes, list[int]] = {}
+        prefixes: set[bytes] = set()
+        for i in np.flatnonzero(~special).tolist():
+            b = token_bytes[i]
+            by_bytes.setdefault(b, []).append(i)
+        for b in by_bytes:
+            for k in range(1, len(b) + 1):
+                prefixes.add(b[:k])
+        self.bytes_to_ids = {b: np.asarray(ids, dtype=np.int64) for b, ids in by_bytes.items()}
+        self.token_prefixes = frozenset(prefixes)
+        self.max_token_bytes = max((len(b) for b in by_bytes), default=0)
+        order = sorted(np.flatnonzero(~special).tolist(), key=token_bytes.__getitem__)
+        self.sorted_bytes = [token_bytes[i] for i in order]
+        self.sorted_ids = np.asarray(order, dtype=np.int64)
+
+        self._matching: dict[Any, np.ndarray] = {}
+        self._containing: dict[bytes, np.ndarray] = {}
+        self._cache: dict[Any, Any] = {}  # per-vocabulary memo for the constraint runtime
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+        self._encode_cached = lru_cache(maxsize=8192)(self._encode_tuple)
+
+    def _encode_tuple(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode(self, text: str) -> list[int]:
+        """`tokenizer.encode(text, add_special_tokens=False)`, memoized with an LRU (a fresh list)."""
+        return list(self._encode_cached(text))
+
+    def __repr__(self) -> str:
+        return f"VocabIndex(size={self.size}, eos_ids={sorted(self.eos_ids)}, special={int(self.special.sum())})"
+
+    # ----- lookups ------------------------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        tb = self.token_bytes
+        return b"".join(tb[i] for i in ids)
+
+    def ids_of(self, b: bytes) -> np.ndarray | None:
+        """The non-special tokens whose bytes are exactly `b` (None if none)."""
+        return self.bytes_to_ids.get(b)
+
+    def prefix_range(self, prefix: bytes) -> tuple[int, int]:
+        """[lo, hi) in `sorted_bytes`/`sorted_ids` of the non-special tokens starting with `prefix`."""
+        lo = bisect.bisect_left(self.sorted_bytes, prefix)
+        upper = _increment(prefix)
+        hi = len(self.sorted_bytes) if upper is None else bisect.bisect_left(self.sorted_bytes, upper, lo)
+        return lo, hi
+
+    def ids_starting_with(self, prefix: bytes) -> np.ndarray:
+        lo, hi = self.prefix_range(prefix)
+        return self.sorted_ids[lo:hi]
+
+    def ids_prefix_of(self, s: bytes) -> list[np.ndarray]:
+        """Arrays of the tokens whose bytes are a non-empty prefix of `s`."""
+        out = []
+        prefixes = self.token_prefixes
+        get = self.bytes_to_ids.get
+        for k in range(1, min(len(s), self.max_token_bytes) + 1):
+            p = s[:k]
+            if p not in prefixes:
+                break
+            ids = get(p)
+            if ids is not None:
+                out.append(ids)
+        return out
+
+    def tokens_matching(self, pattern: str | bytes) -> np.ndarray:
+        """bool[size]: the non-special tokens whose bytes `re.fullmatch` the pattern (a str pattern is
+        matched against the UTF-8 decoded token, tokens that are not valid UTF-8 never match). Memoized;
+        do not modify the result."""
+        key = pattern
+        hit = self._matching.get(key)
+        if hit is not None:
+            return hit
+        if isinstance(pattern, bytes):
+            rx = re.compile(pattern, re.DOTALL)
+            test = lambda b: rx.fullmatch(b) is not None  # noqa: E731
+        else:
+            rx = re.compile(pattern, re.DOTALL)
+
+            def test(b: bytes) -> bool:
+                try:
+                    return rx.fullmatch(b.decode("utf-8")) is not None
+                except UnicodeDecodeError:
+                    return False
+        out = np.zeros(self.size, dtype=bool)
+        for b, ids in self.bytes_to_ids.items():
+            if test(b):
+                out[ids] = True
+        out.flags.writeable = False
+        self._matching[key] = out
+        return out
+
+    def tokens_containing(self, s: bytes | str) -> np.ndarray:
+        """bool[size]: the non-special tokens whose bytes contain `s`. Memoized; do not modify."""
+        if isinstance(s, str):
+            s = s.encode("utf-8")
+        hit = self._containing.get(s)
+        if hit is not None:
+            return hit
+        out = np.zeros(self.size, dtype=bool)
+        if not s:
+            out |= self.nonspecial
+        else:
+            for b, ids in self.bytes_to_ids.items():
+                if s in b:
+                    out[ids] = True
+        out.flags.writeable = False
+        self._containing[s] = out
+        return out
+
+    def memo(self, key: Any, build) -> Any:
+        """A value memoized on this index under `key` (built by `build()` the first time)."""
+        try:
+            return self._cache[key]
+        except KeyError:
+            value = build()
+            return self._cache.setdefault(key, value)
+
+    # ----- llguidance ---------------------------------------------------------------------------------
+
+    def ll_tokenizer(self) -> Any:
+        """The llguidance `LLTokenizer` of this tokenizer (built once: about half a second)."""
+        if self._ll_tokenizer is None:
+            with self._lock:
+                if self._ll_tokenizer is None:
+                    self._ll_tokenizer = _build_ll_tokenizer(self)
+        return self._ll_tokenizer
+
+
+# ----- helpers ------------------------------------------------------------------------------------------
+
+def _tokenizer_length(tokenizer: Any) -> int:
+    try:
+        n = len(tokenizer)
+    except TypeError:
+        n = int(getattr(tokenizer, "vocab_size"))
+    try:
+        ids = [int(i) for i in getattr(tokenizer, "get_vocab")().values()]
+        if ids:
+            n = max(n, max(ids) + 1)
+    except Exception:
+        pass
+    return n
+
+
+def _eos_ids(tokenizer: Any) -> set[int]:
+    out: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            out.add(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                add(x)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    gc = getattr(tokenizer, "generation_config", None)
+    if gc is not None:
+        add(getattr(gc, "eos_token_id", None))
+    path = getattr(tokenizer, "name_or_path", None)
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        f = os.path.join(path, "generation_config.json")
+        if os.path.isfile(f):
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    add(json.load(fh).get("eos_token_id"))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _token_bytes_table(tokenizer: Any, n: int) -> tuple[list[bytes], set[int]]:
+    """(bytes of each id < n, ids of special tokens)."""
+    special: set[int] = set(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
+    added: dict[int, Any] = {}
+    try:
+        added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    except Exception:
+        added = {}
+    for i, t in added.items():
+        if getattr(t, "special", False):
+            special.add(int(i))
+
+    kind = "generic"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_fallback = False
+    if backend is not None:
+        try:
+            spec = json.loads(backend.to_str())
+            types = _decoder_types(spec.get("decoder"), set())
+            model = spec.get("model") or {}
+            byte_fallback = bool(model.get("byte_fallback")) or "ByteFallback" in types
+            if "ByteLevel" in types:
+                kind = "bytelevel"
+            elif "Metaspace" in types or "ReplaceMetaspace" in types or byte_fallback:
+                kind = "sentencepiece"
+        except Exception:
+            kind = "generic"
+    elif hasattr(tokenizer, "sp_model"):
+        kind = "sentencepiece"
+        byte_fallback = True
+
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+    except Exception:
+        pieces = [None] * n
+
+    out: list[bytes] = []
+    for i in range(n):
+        if i in special:
+            out.append(b"")
+            continue
+        t = added.get(i)
+        if t is not None:
+            out.append(str(getattr(t, "content", t)).encode("utf-8"))
+            continue
+        piece = pieces[i]
+        if piece is None:
+            out.append(b"")
+            continue
+        if isinstance(piece, bytes):
+            out.append(piece)
+            continue
+        if kind == "bytelevel":
+            try:
+                out.append(bytes(_BYTE_DECODER[c] for c in piece))
+            except KeyError:
+                out.append(piece.encode("utf-8"))
+        elif kind == "sentencepiece":
+            m = _SP_BYTE.fullmatch(piece) if byte_fallback else None
+            out.append(bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode("utf-8"))
+        else:
+            try:
+                text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            except Exception:
+                text = ""
+            out.append(text.encode("utf-8"))
+    return out, special
+
+
+def _build_ll_tokenizer(index: VocabIndex) -> Any:
+    import llguidance
+
+    tok = index.tokenizer
+    eos = sorted(index.eos_ids)
+    eos_arg: Any = eos[0] if len(eos) == 1 else (eos or None)
+    try:
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(tok, n_vocab=index.size, eos_token=eos_arg)
+    except Exception:
+        pass
+
+    # A tokenizer llguidance cannot read (a slow one): describe it from our own byte table.
+    class _G:
+        pass
+
+    g = _G()
+    g.eos_token_id = eos[0] if eos else 0
+    g.bos_token_id = getattr(tok, "bos_token_id", None)
+    special_ids = np.flatnonzero(index.special).tolist()
+    g.tokens = [b if not index.special[i] else b"\xff<special_%d>" % i for i, b in enumerate(index.token_bytes)]
+    g.special_token_ids = special_ids
+
+    def call(s: bytes | str) -> list[int]:
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return list(tok.encode(s, add_special_tokens=False))
+
+    g.__call__ = call  # type: ignore[attr-defined]
+
+    class _Callable(_G):
+        def __call__(self, s):  # noqa: D401
+            return call(s)
+
+    c = _Callable()
+    c.__dict__.update(g.__dict__)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(c), n_vocab=index.size, eos_token=eos_arg)

@@ -1,0 +1,536 @@
+"""Tests for lmq_backend.cache.trie (radix trie of KV caches)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lmq_backend.cache.trie import PrefixTrie, TrieNode
+
+L, H, D = 2, 2, 4
+DT = torch.float64  # exact integers in the encoding
+TOK = L * 2 * H * D * 8  # bytes per token
+
+
+def enc(ids, start: int = 0) -> torch.Tensor:
+    """kv [L,2,H,T,D] whose value at (l,kv,h,t,d) encodes token id, absolute position and the
+    (l,kv,h,d) coordinate, so any slicing/transposition/offset mistake shows up."""
+    T = len(ids)
+    tok = torch.tensor(list(ids), dtype=DT).view(1, 1, 1, T, 1)
+    pos = torch.arange(start, start + T, dtype=DT).view(1, 1, 1, T, 1)
+    l = torch.arange(L, dtype=DT).view(L, 1, 1, 1, 1)
+    kvi = torch.arange(2, dtype=DT).view(1, 2, 1, 1, 1)
+    h = torch.arange(H, dtype=DT).view(1, 1, H, 1, 1)
+    d = torch.arange(D, dtype=DT).view(1, 1, 1, 1, D)
+    code = l * 2 * H * D + kvi * H * D + h * D + d
+    return ((tok * 1000 + pos) * 64 + code).contiguous()
+
+
+def cat_path(trie: PrefixTrie, node: TrieNode) -> torch.Tensor:
+    kvs = trie.path_kv(node)
+    if not kvs:
+        return torch.empty(L, 2, H, 0, D, dtype=DT)
+    return torch.cat(kvs, dim=3)
+
+
+def assert_prefix(trie: PrefixTrie, node: TrieNode, ids) -> None:
+    ids = tuple(ids)
+    assert node.depth == len(ids)
+    assert trie.path_ids(node) == ids
+    assert torch.equal(cat_path(trie, node), enc(ids))
+
+
+def ins(trie, parent, ids, label=""):
+    start = parent.depth
+    full_prefix = trie.path_ids(parent)
+    assert len(full_prefix) == start
+    return trie.insert(parent, ids, enc(ids, start), label=label)
+
+
+# ---------------------------------------------------------------------------- basics
+
+def test_empty_match():
+    t = PrefixTrie(100 * TOK)
+    node, n = t.match([1, 2, 3])
+    assert node is t.root and n == 0
+    assert len(t) == 0 and t.bytes_in_use == 0
+    t.check()
+
+
+def test_insert_and_match_full_and_partial():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4], label="abcd")
+    assert a is not None and a.depth == 4 and a.label == "abcd"
+    assert t.bytes_in_use == 4 * TOK and len(t) == 1
+    t.check()
+
+    node, n = t.match([1, 2, 3, 4, 5, 6])
+    assert node is a and n == 4
+    assert_prefix(t, node, [1, 2, 3, 4])
+
+    # match ending inside the segment splits it; the original object becomes the lower half
+    node, n = t.match([1, 2, 9])
+    assert n == 2 and node is not a and node.depth == 2
+    assert a.parent is node and a.ids == (3, 4) and a.depth == 4 and node.ids == (1, 2)
+    assert a.label == "abcd" and node.label == ""
+    assert len(t) == 2 and t.bytes_in_use == 4 * TOK
+    assert_prefix(t, node, [1, 2])
+    assert_prefix(t, a, [1, 2, 3, 4])
+    t.check()
+
+    # no match at all
+    node, n = t.match([7, 1, 2])
+    assert node is t.root and n == 0
+
+
+def test_match_limit():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4, 5])
+    node, n = t.match([1, 2, 3, 4, 5], limit=4)
+    assert n == 4
+    assert_prefix(t, node, [1, 2, 3, 4])
+    assert a.parent is node and a.ids == (5,)
+    node, n = t.match([1, 2, 3, 4, 5], limit=0)
+    assert node is t.root and n == 0
+    node, n = t.match([1, 2, 3, 4, 5], limit=99)
+    assert node is a and n == 5
+    node, n = t.match([1, 2, 3, 4], limit=4)  # exactly at a boundary: no extra split
+    assert n == 4 and len(t) == 2
+    t.check()
+
+
+def test_insert_under_parent_and_branching():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3])
+    b = ins(t, a, [4, 5])
+    c = ins(t, a, [6])
+    assert b.parent is a and c.parent is a
+    assert_prefix(t, b, [1, 2, 3, 4, 5])
+    assert_prefix(t, c, [1, 2, 3, 6])
+    node, n = t.match([1, 2, 3, 6, 7])
+    assert node is c and n == 4
+    node, n = t.match([1, 2, 3, 4, 7])
+    assert n == 4 and node.parent is a and b.parent is node
+    assert_prefix(t, node, [1, 2, 3, 4])
+    t.check()
+
+
+def test_insert_overlapping_existing_children():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4])
+    # fully contained: nothing new stored, existing (split) node returned
+    x = ins(t, t.root, [1, 2])
+    assert x is not None and x.depth == 2 and a.parent is x
+    assert t.bytes_in_use == 4 * TOK and len(t) == 2
+    # identical: returns the existing node
+    assert ins(t, t.root, [1, 2, 3, 4]) is a
+    # diverging inside a segment: split + store only the rest
+    y = ins(t, t.root, [1, 2, 3, 9, 9])
+    assert y is not None and y.ids == (9, 9) and y.depth == 5
+    assert t.bytes_in_use == 6 * TOK
+    assert_prefix(t, y, [1, 2, 3, 9, 9])
+    assert_prefix(t, a, [1, 2, 3, 4])
+    # extending past an existing leaf
+    z = ins(t, t.root, [1, 2, 3, 4, 5, 6])
+    assert z is not None and z.parent is a and z.ids == (5, 6)
+    assert_prefix(t, z, [1, 2, 3, 4, 5, 6])
+    assert t.bytes_in_use == 8 * TOK
+    t.check()
+
+
+def test_insert_empty_ids_returns_parent():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2])
+    assert t.insert(a, [], enc([], 2)) is a
+    assert t.insert(t.root, [], enc([])) is t.root
+    t.check()
+
+
+def test_stored_tensors_do_not_alias_caller_memory():
+    t = PrefixTrie(100 * TOK)
+    big = enc([1, 2, 3, 4, 5, 6])
+    view = big[:, :, :, :4, :]
+    a = t.insert(t.root, [1, 2, 3, 4], view)
+    whole = enc([7, 8])
+    b = t.insert(t.root, [7, 8], whole)
+    big.zero_()
+    whole.zero_()
+    assert_prefix(t, a, [1, 2, 3, 4])
+    assert_prefix(t, b, [7, 8])
+    t.check()  # includes: storage of each node is exactly its own bytes, no sharing
+
+
+def test_split_frees_old_storage_and_keeps_bytes():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4, 5, 6])
+    old_ptr = a.kv.untyped_storage().data_ptr()
+    node, _ = t.match([1, 2, 3])
+    assert a.kv.untyped_storage().data_ptr() != old_ptr
+    assert a.kv.untyped_storage().nbytes() == 3 * TOK
+    assert node.kv.untyped_storage().nbytes() == 3 * TOK
+    assert t.bytes_in_use == 6 * TOK
+    t.check()
+
+
+def test_bad_kv_shape_rejected():
+    t = PrefixTrie(100 * TOK)
+    with pytest.raises(ValueError):
+        t.insert(t.root, [1, 2, 3], enc([1, 2]))
+    ins(t, t.root, [1])
+    with pytest.raises(ValueError):
+        t.insert(t.root, [2], enc([2]).float())
+    t.check()
+
+
+# ---------------------------------------------------------------------------- pins and splits
+
+def test_pin_counts_and_unpin():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4])
+    t.pin(a)
+    t.pin(a)
+    assert a.lock == 2 and a.pins == 2 and t.root.lock == 2
+    assert t.pinned_nodes() == 2  # a and root
+    t.unpin(a)
+    t.unpin(a)
+    assert t.pinned_nodes() == 0
+    with pytest.raises(AssertionError):
+        t.unpin(a)
+    t.check()
+
+
+def test_split_preserves_pins():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4])
+    t.pin(a)
+    upper, n = t.match([1, 2])
+    assert n == 2 and a.parent is upper
+    assert upper.lock == 1 and upper.pins == 0 and a.lock == 1 and a.pins == 1
+    t.check()
+    # the pinned original still denotes the full prefix; nothing in it can be evicted
+    assert t.evict(10**9) == 0
+    assert_prefix(t, a, [1, 2, 3, 4])
+    t.unpin(a)
+    assert t.pinned_nodes() == 0
+    t.check()
+
+
+def test_unpin_requires_own_pin():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2])
+    b = ins(t, a, [3])
+    t.pin(b)
+    with pytest.raises(AssertionError):
+        t.unpin(a)  # a is locked only through b
+    t.unpin(b)
+    t.check()
+
+
+# ---------------------------------------------------------------------------- eviction
+
+def test_pins_prevent_eviction():
+    t = PrefixTrie(10 * TOK)
+    a = ins(t, t.root, [1, 2, 3, 4])
+    b = ins(t, a, [5, 6])
+    t.pin(b)
+    c = ins(t, t.root, [7, 8, 9, 10])
+    assert t.bytes_in_use == 10 * TOK
+    # needs 4 tokens: only c (unpinned) can go
+    d = ins(t, t.root, [11, 12, 13, 14])
+    assert d is not None
+    assert c.parent is None and c.kv is None  # evicted
+    assert_prefix(t, b, [1, 2, 3, 4, 5, 6])
+    t.check()
+    # now everything but d is pinned, and d is only 4 tokens: 5 can't fit -> None, nothing evicted
+    assert ins(t, t.root, [20, 21, 22, 23, 24]) is None
+    assert d.parent is t.root and t.bytes_in_use == 10 * TOK
+    t.unpin(b)
+    assert ins(t, t.root, [20, 21, 22, 23, 24]) is not None
+    t.check()
+
+
+def test_eviction_lru_order():
+    t = PrefixTrie(9 * TOK)
+    a = ins(t, t.root, [1, 1, 1])
+    b = ins(t, t.root, [2, 2, 2])
+    c = ins(t, t.root, [3, 3, 3])
+    t.match([1, 1, 1])  # a is now most recent; b is LRU
+    ins(t, t.root, [4, 4, 4])
+    assert b.parent is None and a.parent is t.root and c.parent is t.root
+    assert t.evictions == 1 and t.evicted_tokens == 3
+    upper, _ = t.match([3, 3])  # splits c: upper [3,3] is touched, the tail [3] (= c) is not
+    ins(t, t.root, [5, 5, 5])  # needs 3 tokens: the untouched tail c (1) goes first, then a (3)
+    assert c.parent is None and a.parent is None and upper.parent is t.root
+    assert t.evictions == 3 and t.evicted_tokens == 7
+    assert t.match([3, 3, 3])[1] == 2
+    t.check()
+
+
+def test_evict_leaves_first_then_parents():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2])
+    b = ins(t, a, [3, 4])
+    c = ins(t, a, [5])
+    other = ins(t, t.root, [9])
+    t.match([9])  # `other` most recent
+    # LRU leaves first: b, then c; then a becomes a leaf (older than `other`), then other
+    order = []
+    for _ in range(4):
+        freed = t.evict(1)
+        gone = [n for n in (a, b, c, other) if n.parent is None and n not in order]
+        assert len(gone) == 1 and freed == len(gone[0].ids) * TOK
+        order.append(gone[0])
+        t.check()
+    assert order == [b, c, a, other]
+    assert t.evict(1) == 0
+    assert len(t) == 0 and t.bytes_in_use == 0
+    assert t.evictions == 4 and t.evicted_tokens == 6
+    t.check()
+
+
+def test_evict_returns_freed_and_respects_pins():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2, 3])
+    b = ins(t, t.root, [4, 5])
+    t.pin(a)
+    assert t.evict(0) == 0
+    assert t.evict(100 * TOK) == 2 * TOK
+    assert b.parent is None and a.parent is t.root
+    assert t.evictable_bytes() == 0 and t.protected_bytes() == 3 * TOK
+    t.unpin(a)
+    t.check()
+
+
+def test_budget_zero_disables():
+    t = PrefixTrie(0)
+    assert t.match([1, 2, 3]) == (t.root, 0)
+    assert t.insert(t.root, [1, 2, 3], enc([1, 2, 3])) is None
+    assert len(t) == 0 and t.bytes_in_use == 0
+    t.pin(t.root)
+    t.unpin(t.root)
+    assert t.pinned_nodes() == 0
+    t.check()
+
+
+def test_insert_larger_than_budget_stores_nothing():
+    t = PrefixTrie(5 * TOK)
+    a = ins(t, t.root, [1, 2, 3])
+    assert ins(t, t.root, [4, 5, 6, 7, 8, 9]) is None
+    assert a.parent is t.root and t.bytes_in_use == 3 * TOK and len(t) == 1 and t.evictions == 0
+    # exactly the budget fits (after evicting a)
+    b = ins(t, t.root, [4, 5, 6, 7, 8])
+    assert b is not None and a.parent is None and t.bytes_in_use == 5 * TOK
+    t.check()
+
+
+def test_insert_protects_reused_path_while_evicting():
+    # budget fully used by one unpinned chain; extending it must evict something else, never the chain
+    t = PrefixTrie(6 * TOK)
+    a = ins(t, t.root, [1, 2, 3])
+    other = ins(t, t.root, [7, 7])
+    t.match([7, 7])  # other is the most recent, `a` is LRU
+    x = ins(t, t.root, [1, 2, 3, 4, 5])  # reuses a, needs 2 tokens: must evict `other`, not a
+    assert x is not None and x.parent is a and other.parent is None
+    assert_prefix(t, x, [1, 2, 3, 4, 5])
+    t.check()
+    # extending by more than what the unpinned rest can free: nothing evicted
+    assert ins(t, t.root, [1, 2, 3, 4, 5, 6, 7]) is None
+    assert x.parent is a and t.bytes_in_use == 5 * TOK
+    t.check()
+
+
+def test_evicted_parent_rejected():
+    t = PrefixTrie(100 * TOK)
+    a = ins(t, t.root, [1, 2])
+    t.evict(10**9)
+    with pytest.raises(ValueError):
+        t.insert(a, [3], enc([3], 2))
+    with pytest.raises(AssertionError):
+        t.pin(a)
+
+
+# ---------------------------------------------------------------------------- random operations
+
+class Harness:
+    """Drives a trie with random operations and checks, after each one, that:
+    every match returns K/V equal to the encoding of the matched ids; the match is the longest
+    (no child continues it); pinned prefixes stay fully cached; budget and check() hold."""
+
+    def __init__(self, budget_tokens: int, rng: random.Random):
+        self.t = PrefixTrie(budget_tokens * TOK)
+        self.rng = rng
+        self.pins: list[tuple[TrieNode, tuple[int, ...]]] = []
+        self.seen: list[tuple[int, ...]] = []
+
+    def rand_seq(self) -> tuple[int, ...]:
+        r = self.rng
+        if self.seen and r.random() < 0.7:  # share a prefix with something seen
+            base = r.choice(self.seen)
+            k = r.randint(0, len(base))
+            return base[:k] + tuple(r.randint(0, 3) for _ in range(r.randint(0, 6)))
+        return tuple(r.randint(0, 3) for _ in range(r.randint(1, 10)))
+
+    def verify_match(self, ids, limit=None):
+        t = self.t
+        node, n = t.match(ids, limit)
+        end = len(ids) if limit is None else min(limit, len(ids))
+        assert node.depth == n <= end
+        assert t.path_ids(node) == tuple(ids[:n])
+        assert torch.equal(cat_path(t, node), enc(ids[:n]))
+        if n < end:
+            assert ids[n] not in node.children, "match was not the longest"
+        return node, n
+
+    def op_match(self):
+        ids = self.rand_seq()
+        limit = self.rng.choice([None, self.rng.randint(0, len(ids) + 1)])
+        self.verify_match(ids, limit)
+
+    def op_insert(self):
+        """Engine-like: match, pin, insert the remainder, pin the result, unpin the parent."""
+        t = self.t
+        ids = self.rand_seq()
+        self.seen.append(ids)
+        parent, n = self.verify_match(ids, self.rng.randint(0, len(ids)))
+        t.pin(parent)
+        rest = ids[n:]
+        budget_left = t.budget_bytes - t.protected_bytes()
+        ev_before, bytes_before = t.evictions, t.bytes_in_use
+        node = t.insert(parent, rest, enc(rest, n), label="x")
+        if node is not None:
+            assert node.depth == len(ids)
+            assert t.path_ids(node) == ids
+            assert torch.equal(cat_path(t, node), enc(ids))
+            if self.rng.random() < 0.5:
+                t.pin(node)
+                self.pins.append((node, ids))
+        else:
+            assert rest, "an empty insert always succeeds"
+            assert len(rest) * TOK > budget_left, "insert failed although the whole rest would fit"
+            assert t.evictions == ev_before and t.bytes_in_use == bytes_before, "failed insert evicted"
+        t.unpin(parent)
+        t.check()
+        if node is not None:
+            assert self.verify_match(ids)[1] == len(ids)
+
+    def op_insert_stale_overlap(self):
+        """Two queries prefilled the same prefix concurrently: insert under an older parent
+        something that is (partly) cached already."""
+        t = self.t
+        if not self.seen:
+            return
+        ids = self.rng.choice(self.seen)
+        k = self.rng.randint(0, len(ids))
+        parent, n = self.verify_match(ids, k)
+        extra = tuple(self.rng.randint(0, 3) for _ in range(self.rng.randint(0, 3)))
+        full = ids + extra
+        rest = full[n:]
+        t.pin(parent)
+        node = t.insert(parent, rest, enc(rest, n))
+        if node is not None:
+            assert t.path_ids(node) == full
+            assert torch.equal(cat_path(t, node), enc(full))
+        t.unpin(parent)
+
+    def op_unpin(self):
+        if self.pins:
+            node, _ = self.pins.pop(self.rng.randrange(len(self.pins)))
+            self.t.unpin(node)
+
+    def op_evict(self):
+        before = self.t.bytes_in_use
+        want = self.rng.randint(0, self.t.budget_bytes)
+        ev = self.t.evictable_bytes()
+        freed = self.t.evict(want)
+        assert self.t.bytes_in_use == before - freed
+        assert freed >= min(want, ev) and freed <= ev
+
+    def invariants(self):
+        t = self.t
+        t.check()
+        assert t.bytes_in_use <= t.budget_bytes
+        for node, ids in self.pins:
+            assert node is t.root or (node.parent is not None and node.kv is not None), "pinned node evicted"
+            assert t.path_ids(node) == ids
+            assert torch.equal(cat_path(t, node), enc(ids))
+
+    def finish(self):
+        while self.pins:
+            self.t.unpin(self.pins.pop()[0])
+        assert self.t.pinned_nodes() == 0
+        self.t.check()
+        ev = self.t.evictable_bytes()
+        assert ev == self.t.bytes_in_use
+        assert self.t.evict(10**12) == ev
+        assert len(self.t) == 0 and self.t.bytes_in_use == 0
+        self.t.check()
+
+    def step(self):
+        ops = [self.op_match, self.op_insert, self.op_insert, self.op_insert_stale_overlap,
+               self.op_unpin, self.op_evict]
+        self.rng.choice(ops)()
+        self.invariants()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_operations(seed):
+    rng = random.Random(seed)
+    h = Harness(budget_tokens=rng.choice([5, 12, 30, 200]), rng=rng)
+    for _ in range(300):
+        h.step()
+    h.finish()
+
+
+class TrieMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.h: Harness | None = None
+
+    @precondition(lambda self: self.h is None)
+    @rule(budget=st.sampled_from([0, 3, 8, 20, 64]), seed=st.integers(0, 2**32 - 1))
+    def init(self, budget, seed):
+        self.h = Harness(budget, random.Random(seed))
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def match(self):
+        self.h.op_match()
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def insert(self):
+        self.h.op_insert()
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def insert_overlap(self):
+        self.h.op_insert_stale_overlap()
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def unpin(self):
+        self.h.op_unpin()
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def evict(self):
+        self.h.op_evict()
+
+    @invariant()
+    def inv(self):
+        if self.h is not None:
+            self.h.invariants()
+
+    def teardown(self):
+        if self.h is not None:
+            self.h.finish()
+
+
+TestTrieMachine = TrieMachine.TestCase
+TestTrieMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
