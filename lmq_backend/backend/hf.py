@@ -7,8 +7,8 @@ reference behaviour).
 """
 from __future__ import annotations
 
+import asyncio
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +132,8 @@ class HFBackend(Backend):
             stop = state.advance(token)
             if stop is not None:
                 break
-            logits, cache = self.runner.decode(cache, token, prompt_len + computed)
+            await asyncio.sleep(0)  # let other queries run, and a cancellation land, between steps
+            logits = self.runner.decode(cache, token, prompt_len + computed)
             computed += 1
             self._totals.tokens_decoded += 1
             self._template(seq).tokens_decoded += 1
@@ -195,12 +196,6 @@ class HFBackend(Backend):
             self.trie.unpin(seq.handle)
         seq.handle = node
 
-    def _path_kv(self, node: TrieNode) -> torch.Tensor | None:
-        parts = self.trie.path_kv(node)
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-
     def _prefill(self, seq: Sequence):
         """Logits for the token after `seq.ids`, computing only what the trie does not hold."""
         ids = seq.ids
@@ -211,7 +206,7 @@ class HFBackend(Backend):
         self._pin(seq, node)
         for t in (self._totals, self._template(seq)):
             t.record_prefill(len(ids), n)
-        logits, cache = self.runner.prefill(self._path_kv(node) if n else None, ids[n:], n)
+        logits, cache = self.runner.prefill(self.trie.path_kv(node) if n else [], ids[n:], n)
         self._insert(seq, node, ids[n:], cache, n)
         return logits, cache
 
@@ -223,6 +218,6 @@ class HFBackend(Backend):
     def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], cache, start: int) -> None:
         if self.trie.budget_bytes == 0:
             return
-        child = self.trie.insert(parent, ids, self.runner.kv_slice(cache, start, start + len(ids)))
+        child = self.trie.insert(parent, ids, cache.segment(start, start + len(ids)))
         if child is not None:
             self._pin(seq, child)

@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
 
@@ -20,6 +21,16 @@ TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")
 def _cache_argument(model_class: type) -> str:
     params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes `cache` to this model's forward or generate (`cache=` from 5.24)."""
+    return {_cache_argument(type(model)): cache}
+
+
+def output_cache(output):
+    """The cache a forward or `generate(return_dict_in_generate=True)` returned."""
+    return getattr(output, "cache", None) or getattr(output, "past_key_values", None)
 
 
 def make_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
@@ -39,8 +50,47 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             cache, logits_to_keep: int = 1):
     """One forward with an explicit cache; returns (logits [B, logits_to_keep, V], cache)."""
-    kwargs = {_cache_argument(type(model)): cache}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
-    new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
-    return out.logits, new_cache
+                use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(model, cache))
+    return out.logits, output_cache(out) or cache
+
+
+class _BufferLayer(DynamicLayer):
+    """One layer of a `KVBuffer` seen as a transformers cache layer: `update` writes the new K/V in place
+    at the end of the valid columns instead of concatenating, and returns views of the buffer."""
+
+    def __init__(self, buffer, layer: int, length: int):
+        super().__init__()
+        self.buffer, self.layer = buffer, layer
+        self.device = buffer.data.device
+        self.is_initialized = True
+        self._set_length(length)
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        self.keys = self.buffer.data[self.layer, 0, :, :, :n]
+        self.values = self.buffer.data[self.layer, 1, :, :, :n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, t = self.length, key_states.shape[-2]
+        self.buffer.reserve(n + t)
+        self.buffer.data[self.layer, 0, :, :, n:n + t].copy_(key_states)
+        self.buffer.data[self.layer, 1, :, :, n:n + t].copy_(value_states)
+        self._set_length(n + t)
+        return self.keys, self.values
+
+
+def buffer_cache(buffer, length: int) -> Cache:
+    """A transformers cache over `buffer` (a `KVBuffer`) whose first `length` columns hold valid K/V."""
+    return Cache(layers=[_BufferLayer(buffer, i, length) for i in range(buffer.data.shape[0])])
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config, across architectures' attribute names."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return layers, kv_heads, head_dim

@@ -2,7 +2,12 @@
 holes under their constraints, scores a `distribution`.
 
 Python inside a query runs in one dict, `env`: the caller's globals, the inputs, the variables the
-query assigns and the holes it has filled. Interpolated values go to the backend as literal text.
+query assigns and the holes it has filled.
+
+Prompt text (template chunks and interpolated values, which are always literal text) collects until the
+next hole, and goes to the backend as one segment: so a chunk is tokenized as a whole, as the model saw
+such text in training, and the same way on every call whatever the cache holds. Segment boundaries fall
+only where a generated value begins or ends.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class Run:
     max_len: int
     variables: dict[str, Any] = field(default_factory=dict)
     distribution: dict[str, float] | None = None
+    pending: list[str] = field(default_factory=list)  # prompt text not yet sent to the backend
 
     async def execute(self) -> Result:
         seq = self.backend.sequence(self.template, self.max_len)
@@ -66,6 +72,7 @@ class Run:
                 value = r.value
             except (_Break, _Continue):
                 raise LMQRuntimeError("`break`/`continue` outside a loop") from None
+            await self._flush()
         finally:
             self.backend.release(seq)
         return Result(prompt=seq.text, variables=dict(self.variables), distribution=self.distribution, value=value)
@@ -110,13 +117,20 @@ class Run:
         where = _conjoin(stmt.where, self.query.where)
         for piece in stmt.pieces:
             if isinstance(piece, ast.Text):
-                await self.backend.extend(self.seq, piece.text)
+                self.pending.append(piece.text)
             elif isinstance(piece, ast.Interp):
-                await self.backend.extend(self.seq, str(self._eval(piece.expr)))
-            elif self.query.distribution is not None and piece.name == self.query.distribution.var:
-                await self._distribution(self.query.distribution)
+                self.pending.append(str(self._eval(piece.expr)))
             else:
-                await self._hole(piece, where)
+                await self._flush()
+                if self.query.distribution is not None and piece.name == self.query.distribution.var:
+                    await self._distribution(self.query.distribution)
+                else:
+                    await self._hole(piece, where)
+
+    async def _flush(self) -> None:
+        if self.pending:
+            text, self.pending = "".join(self.pending), []
+            await self.backend.extend(self.seq, text)
 
     async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> None:
         constraint = compile_hole_constraint(constraint_for_hole(where, hole.name), self._eval, self.backend.vocab)

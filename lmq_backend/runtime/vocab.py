@@ -140,8 +140,10 @@ class VocabIndex:
         self.special = special
         self.nonspecial = ~special
         self.n_bytes = n_bytes
-        self.n_chars = np.fromiter(
-            (sum(1 for c in b if c & 0xC0 != 0x80) for b in token_bytes), dtype=np.int32, count=size)
+        scans = [_utf8_scan(b, 0) for b in token_bytes]
+        self.n_chars = np.fromiter((c for c, _ in scans), dtype=np.int32, count=size)
+        self._utf8_next0 = np.fromiter((e for _, e in scans), dtype=np.int8, count=size)
+        self._utf8: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
         by_bytes: dict[bytes, list[int]] = {}
         prefixes: set[bytes] = set()
@@ -255,6 +257,24 @@ class VocabIndex:
         self._containing[s] = out
         return out
 
+    def utf8_tables(self, pending: int) -> tuple[np.ndarray, np.ndarray]:
+        """(chars, pending_after): for a value whose last character still expects `pending` (0-3) UTF-8
+        continuation bytes, the characters each token adds (as `len(value.decode(errors="replace"))` counts
+        them: a lead byte counts one, an expected continuation byte none, a stray one one) and the
+        continuation bytes still expected after it. `pending == 0` gives `n_chars`."""
+        hit = self._utf8.get(pending)
+        if hit is None:
+            chars, nxt = self.n_chars.copy(), self._utf8_next0.copy()
+            if pending:
+                for i in np.flatnonzero((self.n_bytes > 0) & self.nonspecial).tolist():
+                    b = self.token_bytes[i]
+                    if b[0] & 0xC0 == 0x80:
+                        chars[i], nxt[i] = _utf8_scan(b, pending)
+            chars.flags.writeable = False
+            nxt.flags.writeable = False
+            hit = self._utf8[pending] = (chars, nxt)
+        return hit
+
     def memo(self, key: Any, build) -> Any:
         """A value memoized on this index under `key` (built by `build()` the first time)."""
         try:
@@ -288,6 +308,21 @@ def _tokenizer_length(tokenizer: Any) -> int:
     except Exception:
         pass
     return n
+
+
+def _utf8_scan(b: bytes, pending: int) -> tuple[int, int]:
+    """(characters added, continuation bytes still expected) for bytes `b` after `pending` expected."""
+    chars = 0
+    for c in b:
+        if c & 0xC0 == 0x80:
+            if pending:
+                pending -= 1
+            else:
+                chars += 1
+        else:
+            chars += 1
+            pending = 1 if 0xC0 <= c < 0xE0 else 2 if 0xE0 <= c < 0xF0 else 3 if 0xF0 <= c < 0xF8 else 0
+    return chars, pending
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:

@@ -1,0 +1,225 @@
+"""Compile-time checks of a parsed query, and walks over the QueryAST.
+
+`check_query` runs after `parse_query` and before any model call. It raises:
+
+- `LMQUnknownVariableError` when a constraint (inline or global where) or the distribution clause names
+  a variable that is not a hole of the query, or (when `inputs` is given) when the query reads a free
+  name that is not an input, a known global or a builtin;
+- `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
+- `LMQNotSupportedError` for `beam`, an unknown decoder or an unknown decoder argument;
+- `LMQCompileError` when `distribution VAR` is not the last hole of the body.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+from typing import Iterator
+
+from ..errors import (
+    LMQCompileError, LMQConstraintConflictError, LMQNotSupportedError, LMQUnknownVariableError,
+)
+from .ast import (
+    And, Call, Choice, Constraint, Contains, Exec, For, Hole, If, Interp, LenLimit, Not, Or, Prompt, PyExpr,
+    PyStmt, QueryAST, Return, Stmt,
+)
+
+__all__ = ["check_query", "holes_of", "free_names", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
+           "iter_constraints", "iter_code"]
+
+BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
+
+# decoder -> allowed keyword arguments
+DECODER_ARGS: dict[str, frozenset[str]] = {
+    "argmax": frozenset({"max_len"}),
+    "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len"}),
+    "beam": frozenset({"n", "max_len"}),
+}
+
+
+def _pos(span) -> str:
+    return f"line {span.line}, column {span.column}"
+
+
+# ----- walks ----------------------------------------------------------------------------------------
+
+def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
+    """Every statement, in source order, recursively through if/for bodies."""
+    for s in body:
+        yield s
+        if isinstance(s, If):
+            for _, b in s.branches:
+                yield from walk_stmts(b)
+            yield from walk_stmts(s.orelse)
+        elif isinstance(s, For):
+            yield from walk_stmts(s.body)
+
+
+def _all_holes(q: QueryAST) -> list:
+    return [p for s in walk_stmts(q.body) if isinstance(s, Prompt) for p in s.pieces if isinstance(p, Hole)]
+
+
+def holes_of(q: QueryAST) -> list[str]:
+    """Hole names in order of first appearance (recursively through if/for bodies)."""
+    seen: dict[str, None] = {}
+    for h in _all_holes(q):
+        seen.setdefault(h.name, None)
+    return list(seen)
+
+
+def iter_constraints(c: Constraint | None, negated: bool = False) -> Iterator[tuple[Constraint, bool]]:
+    """The leaf constraints of `c` with whether they sit under an odd number of `Not`s."""
+    if c is None:
+        return
+    if isinstance(c, (And, Or)):
+        for p in c.parts:
+            yield from iter_constraints(p, negated)
+    elif isinstance(c, Not):
+        yield from iter_constraints(c.part, not negated)
+    else:
+        yield c, negated
+
+
+def _constraint_exprs(c: Constraint) -> list[PyExpr]:
+    if isinstance(c, Choice):
+        return [c.options]
+    if isinstance(c, Contains):
+        return [c.needle]
+    if isinstance(c, LenLimit):
+        return [c.limit]
+    if isinstance(c, Call):
+        return list(c.args)
+    return []
+
+
+def _where_of(q: QueryAST) -> Iterator[Constraint]:
+    for s in walk_stmts(q.body):
+        if isinstance(s, Prompt) and s.where is not None:
+            yield s.where
+    if q.where is not None:
+        yield q.where
+
+
+def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
+    """Every PyExpr / PyStmt of the query, in source order (global where and distribution last)."""
+    for s in walk_stmts(q.body):
+        if isinstance(s, Prompt):
+            for p in s.pieces:
+                if isinstance(p, Interp):
+                    yield p.expr
+            for leaf, _ in iter_constraints(s.where):
+                yield from _constraint_exprs(leaf)
+        elif isinstance(s, Exec):
+            yield s.stmt
+        elif isinstance(s, If):
+            for test, _ in s.branches:
+                yield test
+        elif isinstance(s, For):
+            yield s.iter
+            yield s.target
+        elif isinstance(s, Return) and s.value is not None:
+            yield s.value
+    for leaf, _ in iter_constraints(q.where):
+        yield from _constraint_exprs(leaf)
+    if q.distribution is not None:
+        yield q.distribution.options
+
+
+def _bound_names(q: QueryAST) -> set[str]:
+    bound = set(holes_of(q))
+    for s in walk_stmts(q.body):
+        if isinstance(s, Exec):
+            bound |= s.stmt.assigned
+        elif isinstance(s, For):
+            bound |= s.target.assigned
+    return bound
+
+
+def free_names(q: QueryAST) -> set[str]:
+    """Names the query reads but does not bind itself (not holes, not assigned, not for targets, not
+    builtins): the inputs and globals it needs."""
+    names: set[str] = set()
+    for code in iter_code(q):
+        names |= code.names
+    return names - _bound_names(q) - BUILTIN_NAMES
+
+
+# ----- checks ---------------------------------------------------------------------------------------
+
+def _is_empty_literal(expr: PyExpr) -> bool:
+    try:
+        node = ast.parse(expr.source.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return not node.elts
+    if isinstance(node, ast.Dict):
+        return not node.keys
+    if isinstance(node, ast.Constant):
+        return node.value in ("", b"")
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in {"set", "list", "tuple", "frozenset", "dict"} and not node.keywords):
+        if not node.args:
+            return True
+        if len(node.args) == 1:
+            a = node.args[0]
+            return isinstance(a, (ast.List, ast.Tuple, ast.Set)) and not a.elts
+    return False
+
+
+def _check_decoder(q: QueryAST) -> None:
+    d = q.decoder
+    if d.name not in DECODER_ARGS:
+        raise LMQNotSupportedError(
+            f"unknown decoder {d.name!r} ({_pos(d.span)}); supported decoders: argmax, sample")
+    if d.name == "beam":
+        raise LMQNotSupportedError(f"beam decoding is not implemented yet; use argmax or sample ({_pos(d.span)})")
+    allowed = DECODER_ARGS[d.name]
+    for k in d.args:
+        if k not in allowed:
+            raise LMQNotSupportedError(
+                f"unknown argument {k!r} for decoder {d.name} ({_pos(d.span)}); "
+                f"allowed: {', '.join(sorted(allowed))}")
+
+
+def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[str] = frozenset()) -> None:
+    """Compile-time checks; see the module docstring. Raises only LMQError subclasses."""
+    _check_decoder(q)
+    holes = holes_of(q)
+    hole_set = set(holes)
+    listing = ", ".join(holes) if holes else "none"
+
+    for c in _where_of(q):
+        for leaf, negated in iter_constraints(c):
+            var = getattr(leaf, "var", None)
+            if var is not None and var not in hole_set:
+                raise LMQUnknownVariableError(
+                    f"constraint at {_pos(leaf.span)}: {var!r} is not a hole of this query (holes: {listing})")
+            if isinstance(leaf, Choice) and not negated and _is_empty_literal(leaf.options):
+                raise LMQConstraintConflictError(
+                    f"constraint at {_pos(leaf.span)}: {leaf.var} in {leaf.options.source} has no options, "
+                    f"no value can satisfy it")
+
+    dist = q.distribution
+    if dist is not None:
+        if dist.var not in hole_set:
+            raise LMQUnknownVariableError(
+                f"distribution at {_pos(dist.span)}: {dist.var!r} is not a hole of this query (holes: {listing})")
+        last = _all_holes(q)[-1].name
+        if dist.var != last:
+            raise LMQCompileError(
+                f"distribution at {_pos(dist.span)}: {dist.var!r} must be the last hole of the query body "
+                f"(the last hole is {last!r})")
+        if _is_empty_literal(dist.options):
+            raise LMQConstraintConflictError(
+                f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")
+
+    if inputs is not None:
+        allowed = set(inputs) | set(known_globals) | BUILTIN_NAMES | _bound_names(q)
+        for code in iter_code(q):
+            unknown = sorted(code.names - allowed)
+            if unknown:
+                name = unknown[0]
+                known = ", ".join(sorted(inputs)) if inputs else "none"
+                raise LMQUnknownVariableError(
+                    f"unknown variable {name!r} at {_pos(code.span)}: it is not an input, a global, a hole or "
+                    f"a variable assigned by the query (inputs: {known})")

@@ -1,0 +1,257 @@
+"""Tests of the Triton decode-attention kernel against the torch reference.
+
+CPU: the kernels run under Triton's interpreter.  ``TRITON_INTERPRET`` must be
+set before ``triton`` is first imported (Triton binds its ``tl`` helpers to the
+mode at import time), so it is set here before any import of triton.  When the
+whole suite runs in one process and another test module imported triton first,
+the in-process CPU tests skip and ``test_interpreter_in_subprocess`` runs this
+file again in a fresh interpreter with ``TRITON_INTERPRET=1``.
+
+GPU: the ``cuda`` tests need ``TRITON_INTERPRET=0`` (real compilation), e.g.
+``TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py -k cuda``.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+try:
+    import triton  # noqa: F401, E402
+except Exception as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(f"triton is not importable: {exc!r}", allow_module_level=True)
+
+from lmq_backend.kernels import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+    interpreter_active,
+)
+
+_INTERP = interpreter_active()
+_HAS_CUDA = torch.cuda.is_available()
+
+needs_interp = pytest.mark.skipif(
+    not _INTERP,
+    reason="triton was imported before TRITON_INTERPRET=1; covered by test_interpreter_in_subprocess",
+)
+needs_cuda = pytest.mark.skipif(
+    not _HAS_CUDA or _INTERP, reason="needs a CUDA GPU and TRITON_INTERPRET=0"
+)
+
+
+def _make(B, Hkv, G, S, D, end, dtype=torch.float32, device="cpu", gen=None, starts=None, poison=True):
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(device=device, dtype=dtype)
+    if starts is None:
+        starts = torch.randint(0, end, (B,), generator=gen).tolist()
+        # always cover a full row and a row with a single valid token
+        starts[0] = 0
+        if B > 1:
+            starts[1] = end - 1
+    start = torch.tensor(starts, dtype=torch.int32, device=device)
+    if poison:  # padding and columns past `end` must never be read
+        cols = torch.arange(S, device=device).view(1, 1, S)
+        pad = (cols < start.view(B, 1, 1)) | (cols >= end)
+        k = k.masked_fill(pad.unsqueeze(-1), float("nan"))
+        v = v.masked_fill(pad.unsqueeze(-1), float("inf"))
+    return q, k, v, start
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter)
+
+@needs_interp
+@pytest.mark.parametrize(
+    "B,Hkv,G,S,D,end,splits,end_as_tensor",
+    [
+        (3, 2, 1, 48, 16, 45, 3, True),
+        (3, 2, 2, 40, 32, 40, None, True),
+        (4, 1, 3, 70, 16, 61, 4, False),
+        (3, 2, 4, 64, 64, 50, None, True),
+        (2, 1, 8, 37, 16, 33, 2, True),
+        (2, 1, 16, 50, 16, 47, 3, False),
+        (2, 2, 3, 33, 24, 30, 2, True),  # head dim not a power of two
+    ],
+)
+def test_decode_matches_reference_fp32(B, Hkv, G, S, D, end, splits, end_as_tensor):
+    gen = torch.Generator().manual_seed(1000 * G + S)
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen)
+    e = torch.tensor([end], dtype=torch.int32) if end_as_tensor else end
+    out = decode_attention(q, k, v, start, e, num_splits=splits, block_n=16)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("G,use_dot", [(2, True), (16, False)])
+def test_both_inner_products(G, use_dot):
+    """tl.dot path and broadcast multiply-reduce path, each off its default G."""
+    gen = torch.Generator().manual_seed(7 + G)
+    B, Hkv, S, D, end = 2, 1, 40, 16, 38
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen)
+    out = decode_attention(q, k, v, start, end, num_splits=3, block_n=16, use_dot=use_dot)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_interp
+def test_unfused_reduction_and_ticket_reset():
+    """Separate merge kernel (fused_reduce=False) and repeated fused launches (tickets reset)."""
+    gen = torch.Generator().manual_seed(21)
+    B, Hkv, G, S, D, end = 3, 2, 4, 64, 16, 60
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
+    unfused = decode_attention(q, k, v, start, end, num_splits=4, block_n=16, fused_reduce=False)
+    torch.testing.assert_close(unfused, ref, atol=1e-5, rtol=1e-5)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k, v, start, end, num_splits=4, block_n=16, out=out)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_interp
+def test_out_param_strided_inputs_and_scale():
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, G, S, D, end = 3, 2, 2, 40, 16, 36
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen, poison=False)
+    # q as a slice of a fused qkv projection, caches as views of a larger capacity
+    qkv = torch.randn(B, Hkv * G + 2 * Hkv, D, generator=gen)
+    qkv[:, : Hkv * G] = q
+    q_view = qkv[:, : Hkv * G]
+    big_k = torch.randn(B, Hkv, S + 8, D, generator=gen)
+    big_v = torch.randn(B, Hkv, S + 8, D, generator=gen)
+    big_k[:, :, :S] = k
+    big_v[:, :, :S] = v
+    k_view, v_view = big_k[:, :, :S], big_v[:, :, :S]
+    out = torch.full((B, Hkv * G, D), float("nan"))
+    res = decode_attention(q_view, k_view, v_view, start, end, sm_scale=0.3, out=out, num_splits=2, block_n=16)
+    assert res is out
+    ref = decode_attention_reference(q, k, v, start, end, sm_scale=0.3, compute_dtype=torch.float64)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_interp
+def test_default_split_heuristic_many_splits():
+    """B * H_kv small: the default heuristic must split the range (num_splits > 1)."""
+    gen = torch.Generator().manual_seed(11)
+    B, Hkv, G, S, D, end = 2, 1, 4, 96, 16, 90
+    splits, chunk = choose_num_splits(B, Hkv, S, 16)
+    assert splits > 1
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen, starts=[0, 89])
+    out = decode_attention(q, k, v, start, torch.tensor([end], dtype=torch.int32), block_n=16)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_choose_num_splits_shape_only():
+    for B in (1, 2, 4, 16, 64):
+        for S in (1, 17, 512, 2048, 4096, 32768):
+            for bn in (16, 32, 64):
+                splits, chunk = choose_num_splits(B, 8, S, bn)
+                assert splits >= 1 and chunk % bn == 0
+                assert splits * chunk >= S and (splits - 1) * chunk < S
+    # enough programs to fill an H200 at batch 1, one split when the batch alone fills it
+    assert choose_num_splits(1, 8, 2048, 64)[0] * 8 >= 132
+    assert choose_num_splits(64, 8, 2048, 64)[0] == 1
+
+
+def test_reference_masks_padding():
+    gen = torch.Generator().manual_seed(5)
+    B, Hkv, G, S, D, end = 2, 1, 2, 12, 8, 10
+    q, k, v, start = _make(B, Hkv, G, S, D, end, gen=gen, starts=[3, 9])
+    ref = decode_attention_reference(q, k, v, start, end)
+    # row 1 has a single valid token: the output is its value
+    torch.testing.assert_close(ref[1], v[1, :, 9].repeat_interleave(G, 0))
+    # row 0 equals plain attention over the valid slice
+    kk = k[0, :, 3:end].repeat_interleave(G, 0)
+    vv = v[0, :, 3:end].repeat_interleave(G, 0)
+    p = torch.softmax((q[0].unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) / math.sqrt(D), -1)
+    torch.testing.assert_close(ref[0], (p.unsqueeze(1) @ vv).squeeze(1), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(_INTERP, reason="in-process interpreter tests already ran")
+def test_interpreter_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cuda", os.path.abspath(__file__)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+# max abs error (outputs are O(1); bf16 output rounding alone is up to 1.6e-2 at |x| in [4, 8))
+_CUDA_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+# relative error ||out - ref|| / ||ref||
+_CUDA_REL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 1e-3}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "B,Hkv,G,S,D,end",
+    [
+        (1, 8, 4, 2048, 64, 2048),
+        (16, 8, 4, 2048, 64, 1999),
+        (3, 3, 3, 1000, 64, 777),
+        (5, 2, 2, 4096, 128, 3000),
+        (2, 4, 1, 300, 128, 300),
+        (4, 2, 8, 1024, 128, 1024),
+        (7, 2, 16, 600, 64, 513),
+        (64, 8, 4, 512, 64, 500),
+    ],
+)
+def test_cuda_matches_reference(dtype, B, Hkv, G, S, D, end):
+    gen = torch.Generator().manual_seed(B * 131 + S + G)
+    q, k, v, start = _make(B, Hkv, G, S, D, end, dtype=dtype, device="cuda", gen=gen)
+    out = torch.full_like(q, float("nan"))
+    end_t = torch.tensor([end], dtype=torch.int32, device="cuda")
+    decode_attention(q, k, v, start, end_t, out=out)
+    unfused = decode_attention(q, k, v, start, end_t, fused_reduce=False)
+    torch.testing.assert_close(unfused, out, atol=_CUDA_TOL[dtype], rtol=0)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64).double()
+    err = (out.double() - ref).abs().max().item()
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    print(f"cuda {dtype} B={B} Hkv={Hkv} G={G} S={S} D={D} end={end}: max_abs={err:.3e} rel={rel:.3e}")
+    assert torch.isfinite(out).all()
+    assert err <= _CUDA_TOL[dtype], err
+    assert rel <= _CUDA_REL[dtype], rel
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graph_replay_with_changing_end(dtype):
+    B, Hkv, G, S, D = 4, 8, 4, 1024, 64
+    gen = torch.Generator().manual_seed(99)
+    q, k, v, _ = _make(B, Hkv, G, S, D, S, dtype=dtype, device="cuda", gen=gen, poison=False)
+    start = torch.zeros(B, dtype=torch.int32, device="cuda")
+    end = torch.tensor([10], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            decode_attention(q, k, v, start, end, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, start, end, out=out)
+    for e, starts in [(10, [0, 3, 9, 5]), (500, [0, 499, 100, 250]), (1024, [1023, 0, 700, 64]), (65, [64, 1, 2, 3])]:
+        end.fill_(e)
+        start.copy_(torch.tensor(starts, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_attention_reference(q, k, v, start, e, compute_dtype=torch.float64).double()
+        err = (out.double() - ref).abs().max().item()
+        assert err <= _CUDA_TOL[dtype], (e, err)

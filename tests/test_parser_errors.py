@@ -1,0 +1,170 @@
+"""Bad queries: each gives its LMQError subclass, syntax errors with line, column and a caret line."""
+from __future__ import annotations
+
+import pytest
+
+from lmq_backend.errors import (
+    LMQCompileError, LMQConstraintConflictError, LMQError, LMQNotSupportedError, LMQSyntaxError,
+    LMQUnknownConstraintError, LMQUnknownVariableError,
+)
+from lmq_backend.language import check_query, parse_query
+
+
+def parse_and_check(text, **kw):
+    q = parse_query(text)
+    check_query(q, **kw)
+    return q
+
+
+# (source, line, column, message fragment)
+SYNTAX_ERRORS = [
+    ('"a [ b"', 1, 4, "'[' must start a hole"),
+    ('"ok"\n"a[X] and [1]"', 2, 11, "'[' must start a hole"),
+    ('"a [X ]"', 1, 4, "'[' must start a hole"),
+    ('"""line one\nline [two"""', 2, 6, "'[' must start a hole"),
+    ('"a {x"', 1, 4, "'{' was never closed"),
+    ('"a }"', 1, 4, "single '}'"),
+    ('"a {}"', 1, 4, "empty expression"),
+    ('"a {1 +}"', 1, 5, "invalid Python expression"),
+    ('"[X]"\nif X ==:\n    "b"', 2, 8, "unexpected ':'"),
+    ('argmax\n    "a"\n  "b"', 3, 3, "unindent does not match"),
+    ('"a"\n    "b"', 2, 5, "unexpected indent"),
+    ('x = 1\n    "a"', 2, 5, "unexpected indent"),
+    ('if x:\n"a"', 2, 1, "expected an indented block"),
+    ('"[X]"\nreturn foo(', 2, 11, "'(' was never closed"),
+    ('"abc', 1, 1, "unterminated string"),
+    ('"""abc\n\ndef', 1, 1, "unterminated string"),
+    ('x = 1 $ 2', 1, 7, "unexpected character '$'"),
+    ('x + 1 = 2', 1, 1, "cannot assign"),
+    ('for 1 in x:\n    "a"', 1, 5, "cannot assign"),
+    ('"a[X]" where X in ["a"] where', 1, 25, "unexpected 'where'"),
+    ('argmax(3)\n    "a"', 1, 1, "keyword arguments"),
+    ('sample(n=x)\n    "a"', 1, 1, "must be a Python literal"),
+    ('b"[X]"', 1, 1, "bytes"),
+    ('"a\\N{nosuchname}"', 1, 1, "invalid string literal"),
+    ('argmax\n    "a"\n"b"', 3, 1, "statement after the indented query body"),
+    ('"[X]"\nwhere\n    INT(X) and', 3, 15, "unexpected end of input"),
+    ('from "m"\n"a"', 2, 1, "unexpected"),
+    ('x = (1,\n     2]\n', 2, 7, "unexpected ']'"),
+]
+
+
+@pytest.mark.parametrize("text,line,column,fragment", SYNTAX_ERRORS)
+def test_syntax_errors(text, line, column, fragment):
+    with pytest.raises(LMQSyntaxError) as info:
+        parse_query(text)
+    e = info.value
+    assert fragment in e.message
+    if line:
+        assert (e.line, e.column) == (line, column), str(e)
+        shown = str(e).splitlines()
+        # the message, the offending line, then the caret under the column
+        assert shown[1].strip() == text.splitlines()[line - 1].strip()
+        assert shown[2].index("^") == 4 + column - 1
+
+
+def test_caret_message_format():
+    with pytest.raises(LMQSyntaxError) as info:
+        parse_query('argmax\n    "Q: [ANSWER"\n')
+    text = str(info.value)
+    assert text.splitlines() == [
+        "'[' must start a hole [NAME] (write '[[' for a literal '[') (line 2, column 9)",
+        '        "Q: [ANSWER"',
+        "            ^",
+    ]
+
+
+def test_unknown_constraint_function():
+    with pytest.raises(LMQUnknownConstraintError) as info:
+        parse_query('"a[X]"\nwhere INT(X) and FOO(X)')
+    msg = str(info.value)
+    assert "FOO" in msg and "line 2, column 18" in msg and "STOPS_AT(VAR, s)" in msg
+
+
+@pytest.mark.parametrize("where", [
+    "lower(X)", "len(X) == 3", "X == 'a'", "1 < len(X) < 3", "INT(X, 3)", "STOPS_AT(X)",
+    "STOPS_AT('a', X)", "REGEX(X, pattern='a')", "len(X + 'a') < 3", "X.startswith('a')", "True", "X",
+    "len(TOKENS(X), 2) < 3", "'a' in 'b'",
+])
+def test_unknown_constraint_forms(where):
+    with pytest.raises(LMQUnknownConstraintError):
+        parse_query(f'"a[X]" where {where}')
+
+
+def test_unknown_hole_in_constraint():
+    with pytest.raises(LMQUnknownVariableError) as info:
+        parse_and_check('"Q:[ANSWER]" where STOPS_AT(ANSWR, "\\n")')
+    assert "'ANSWR' is not a hole of this query (holes: ANSWER)" in str(info.value)
+    with pytest.raises(LMQUnknownVariableError):
+        parse_and_check('"Q:[ANSWER]"\nwhere not "\\n" in ANSWR')
+    with pytest.raises(LMQUnknownVariableError):
+        parse_and_check('"Q:[ANSWER]"\nwhere len(TOKENS(ANSWR)) < 3')
+
+
+@pytest.mark.parametrize("options", ["[]", "()", "set()", "{}", "list()", "set([])"])
+def test_empty_choice(options):
+    with pytest.raises(LMQConstraintConflictError):
+        parse_and_check(f'"a[X]" where X in {options}')
+
+
+def test_negated_empty_choice_is_fine():
+    parse_and_check('"a[X]" where not X in []')
+
+
+def test_beam_not_supported():
+    with pytest.raises(LMQNotSupportedError) as info:
+        parse_and_check('beam(n=3)\n    "a[X]"')
+    assert "beam decoding is not implemented yet; use argmax or sample" in str(info.value)
+
+
+@pytest.mark.parametrize("decoder", ["sample(foo=1)", "argmax(n=2)", "argmax(temperature=0.5)", "greedy",
+                                     "sample(n=2, top_k=3)"])
+def test_unknown_decoder_or_argument(decoder):
+    with pytest.raises(LMQNotSupportedError):
+        parse_and_check(f'{decoder}\n    "a[X]"')
+
+
+def test_known_decoder_arguments():
+    parse_and_check('argmax(max_len=10)\n    "a[X]"')
+    parse_and_check('sample(n=2, temperature=0.5, top_p=0.9, seed=3, max_len=5)\n    "a[X]"')
+
+
+def test_distribution_errors():
+    with pytest.raises(LMQCompileError) as info:
+        parse_and_check('"a[X][Y]"\ndistribution X in ["a"]')
+    assert "last hole" in str(info.value)
+    with pytest.raises(LMQUnknownVariableError):
+        parse_and_check('"a[X]"\ndistribution Z in ["a"]')
+    with pytest.raises(LMQCompileError):
+        parse_and_check('"a[X]"\ndistribution INT(X)')
+    with pytest.raises(LMQConstraintConflictError):
+        parse_and_check('"a[X]"\ndistribution X in []')
+
+
+def test_unknown_inputs():
+    text = 'argmax\n    "Review: {review}\\n"\n    y = helper(x)\n    "[A]"\n    return A + y'
+    q = parse_query(text)
+    check_query(q)                           # no inputs given: no check
+    check_query(q, inputs={"review", "x"}, known_globals={"helper"})
+    with pytest.raises(LMQUnknownVariableError) as info:
+        check_query(q, inputs={"review"}, known_globals={"helper"})
+    assert "'x'" in str(info.value) and "line 3, column 5" in str(info.value)
+    with pytest.raises(LMQUnknownVariableError) as info:
+        check_query(q, inputs={"x"}, known_globals={"helper"})
+    assert "'review'" in str(info.value)
+
+
+@pytest.mark.parametrize("text", [
+    None, 3, "", "\n\n", "   ", "# just a comment", "\x00", "\ufeff", "'''", "\\", "\t\t\n  x",
+])
+def test_odd_inputs_only_raise_lmq_errors(text):
+    try:
+        q = parse_query(text)
+        check_query(q, inputs=set())
+    except LMQError:
+        pass
+
+
+def test_empty_query_is_valid():
+    q = parse_query("")
+    assert q.body == () and q.decoder.name == "argmax"
