@@ -1,4 +1,4 @@
-"""Plain-torch ground truth for :func:`lmq_backend.kernels.decode_attention`.
+"""Plain-torch ground truth for :func:`lmq_kernels.decode_attention`.
 
 Same cache layout as the kernel (see ``decode_attention.py``): per layer
 ``k_cache, v_cache: [B, H_kv, S, D]``, rows left-padded, row ``b``'s valid

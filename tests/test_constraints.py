@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from lmq_backend.errors import (
     LMQCompileError, LMQConstraintConflictError, LMQNotSupportedError, LMQRuntimeError,
@@ -176,6 +176,11 @@ def test_constraint_for_hole_two_holes():
     (length("<", 2.5, unit="tokens"), LMQCompileError),
     (call("REGEX", "X", "(["), LMQCompileError),
     (call("JSON", "X", "{not json"), LMQCompileError),
+    (call("JSON", "X", {"type": "blah"}), LMQCompileError),
+    (call("REGEX", "X", "(?=a)b"), LMQCompileError),  # Python compiles it; llguidance has no look-around
+    (call("GRAMMAR", "X", "start: foo"), LMQCompileError),
+    (call("GRAMMAR", "X", 'start: "a" | "b"'), None),
+    (call("JSON", "X", '{"type": "object"}'), None),
     (OR(call("STOPS_AT", "X", "."), choice(["a"])), LMQNotSupportedError),
     (NOT(call("REGEX", "X", "a")), LMQNotSupportedError),
     (OR(call("JSON", "X", {"type": "object"}), choice(["a"])), LMQNotSupportedError),
@@ -489,8 +494,14 @@ def test_and_or_combos(vocab):
 
 
 def test_unsatisfiable_at_runtime(vocab):
-    s = compiled(AND(choice(["abc"]), call("INT")), vocab).start()
+    s = compiled(AND(choice(["abc"]), call("REGEX", "X", "[0-9]+")), vocab).start()
     assert not s.allowed().any() and not s.can_end()
+    # options are filtered by the other conditions at compile time; none left: a conflict
+    with pytest.raises(LMQConstraintConflictError):
+        compiled(AND(choice(["abc"]), call("INT")), vocab)
+    hc = compiled(AND(choice(["dog", "cat"]), contains("a")), vocab)
+    s = hc.start()
+    assert not s.allowed()[vocab.bytes_to_ids[b"d"]].any()
 
 
 def test_unconstrained(vocab):
@@ -513,12 +524,15 @@ def test_special_never_allowed(vocab):
 
 # ----- hypothesis -----------------------------------------------------------------------------------------
 
-option_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=8)
+# (SmolLM2's tokenizer drops some control characters such as "\x16": leave category Cc out)
+option_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=0, max_size=8)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(options=st.lists(option_text, min_size=1, max_size=6), seed=st.integers(0, 10_000))
 def test_choice_property(vocab, options, seed):
+    # (SmolLM2 has no token for some bytes, e.g. 0xF1: characters it cannot spell are left out)
+    assume(all(vocab.decode_bytes(vocab.encode(o)) == o.encode() for o in options))
     hc = compiled(choice(options), vocab)
     rng = random.Random(seed)
     for prefer in (None, short_tokens(vocab, 1)):
@@ -536,8 +550,10 @@ def test_not_contains_property(vocab, needle, seed):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(stop=st.text(min_size=1, max_size=3), before=st.booleans(), seed=st.integers(0, 10_000))
+@given(stop=st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=3),
+       before=st.booleans(), seed=st.integers(0, 10_000))
 def test_stop_property(vocab, stop, before, seed):
+    assume(vocab.decode_bytes(vocab.encode(stop)) == stop.encode())
     hc = compiled(call("STOPS_BEFORE" if before else "STOPS_AT", "X", stop), vocab)
     rng = random.Random(seed)
     state = hc.start()

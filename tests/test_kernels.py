@@ -27,7 +27,7 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"triton is not importable: {exc!r}", allow_module_level=True)
 
-from lmq_backend.kernels import (  # noqa: E402
+from lmq_kernels import (  # noqa: E402
     choose_num_splits,
     decode_attention,
     decode_attention_reference,

@@ -119,12 +119,18 @@ class HFBackend(Backend):
             extendable = self._extendable if allowed is None else allowed & self._extendable
             if not extendable.any():
                 if can_end:
-                    break
+                    break  # closed: no token can extend the value, so no forward is needed
                 raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
             if prompt_len + len(generated) >= seq.max_len:
                 if can_end:
                     break
                 self._check_length(seq, prompt_len + len(generated) + 1)
+            if logits is None:  # feed the last picked token only now that another pick is needed
+                await asyncio.sleep(0)  # let other queries run, and a cancellation land, between steps
+                logits = self.runner.decode(cache, generated[-1], prompt_len + computed)
+                computed += 1
+                self._totals.tokens_decoded += 1
+                self._template(seq).tokens_decoded += 1
             token = sampler.select(logits, None if can_end else torch.from_numpy(extendable))
             if can_end and not extendable[token]:
                 break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
@@ -132,11 +138,7 @@ class HFBackend(Backend):
             stop = state.advance(token)
             if stop is not None:
                 break
-            await asyncio.sleep(0)  # let other queries run, and a cancellation land, between steps
-            logits = self.runner.decode(cache, token, prompt_len + computed)
-            computed += 1
-            self._totals.tokens_decoded += 1
-            self._template(seq).tokens_decoded += 1
+            logits = None
         if stop is None:
             value, value_ids = state.text, generated
         else:

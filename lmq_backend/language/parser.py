@@ -174,7 +174,7 @@ _indenter = _LMQIndenter()
 
 
 def grammar_text() -> str:
-    return (importlib.resources.files("lmq_backend.grammar") / "lmq.lark").read_text(encoding="utf-8")
+    return (importlib.resources.files("lmq_grammar") / "lmq.lark").read_text(encoding="utf-8")
 
 
 def _get_lark() -> Lark:

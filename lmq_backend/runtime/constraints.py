@@ -31,7 +31,7 @@ import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -283,10 +283,12 @@ def _check_node(c: ast.Constraint, lit) -> None:
             except re.error as e:
                 raise LMQCompileError(f"REGEX({c.var}, {v!r}): the regular expression does not compile: {e}"
                                       f"{_span(c)}") from None
+            _llg_validate("REGEX", v, c)
         elif c.func == "JSON":
-            _json_schema_text(v, c, LMQCompileError)
+            _llg_validate("JSON", _json_schema_text(v, c, LMQCompileError), c)
         elif c.func == "GRAMMAR":
             _check_string_arg(c.func, v, c, LMQCompileError)
+            _llg_validate("GRAMMAR", v, c)
         return
     if isinstance(c, ast.Choice):
         v = lit(c.options)
@@ -305,6 +307,28 @@ def _check_node(c: ast.Constraint, lit) -> None:
             _check_limit_value(v, c, LMQCompileError)
         return
     raise LMQCompileError(f"unknown constraint {c!r}")
+
+
+def _llg_grammar(kind: str, arg: str) -> str:
+    import llguidance
+
+    if kind == "REGEX":
+        return llguidance.LLMatcher.grammar_from_regex(arg)
+    if kind == "JSON":
+        return llguidance.LLMatcher.grammar_from_json_schema(arg)
+    return llguidance.LLMatcher.grammar_from_lark(arg)
+
+
+def _llg_validate(kind: str, arg: str, c: ast.Call) -> None:
+    """llguidance's own check of a regex / schema / grammar (no tokenizer needed)."""
+    import llguidance
+
+    try:
+        msg = llguidance.LLMatcher.validate_grammar(_llg_grammar(kind, arg))
+    except Exception as e:  # noqa: BLE001 - a malformed argument
+        msg = str(e) or type(e).__name__
+    if msg and not msg.startswith("WARNING"):
+        raise LMQCompileError(f"{kind}({c.var}, ...) cannot be used: {msg.strip()}{_span(c)}")
 
 
 def _json_schema_text(v: Any, c: ast.Call, err: type[LMQError]) -> str:
@@ -757,15 +781,11 @@ class _LenState(_State):
 
 class _LLGNode(_Node):
     def __init__(self, kind: str, arg: Any, vocab: VocabIndex, where: ast.Call):
-        import llguidance
-
         self.vocab = vocab
-        if kind == "REGEX":
-            grammar = llguidance.LLMatcher.grammar_from_regex(arg)
-        elif kind == "JSON":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(arg)
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(arg)
+        try:
+            grammar = _llg_grammar(kind, arg)
+        except Exception as e:  # noqa: BLE001
+            raise LMQRuntimeError(f"{kind}({where.var}, ...) cannot be used: {e}{_span(where)}") from None
         self.template = vocab.memo(("llg", kind, arg), lambda: _new_matcher(vocab, grammar, kind, where))
         self.ll_size = vocab.ll_tokenizer().vocab_size
 

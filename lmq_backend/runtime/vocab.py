@@ -45,6 +45,7 @@ def bytes_to_unicode() -> dict[int, str]:
 _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
+_ATTR = "_lmq_vocab_index"
 _registry: "weakref.WeakKeyDictionary[Any, dict[int, VocabIndex]]" = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
@@ -103,22 +104,29 @@ class VocabIndex:
         size = n_tok if size is None else int(size)
         if size <= 0:
             raise ValueError(f"vocabulary size must be positive, not {size}")
+        # The memo lives on the tokenizer itself (an attribute), so that tokenizer and index are collected
+        # together; a tokenizer that takes no attributes falls back to a module-level weak dictionary.
         with _registry_lock:
-            try:
-                per_size = _registry.get(tokenizer)
-            except TypeError:  # not weak-referenceable or unhashable: fall back to an attribute
-                per_size = getattr(tokenizer, "_lmq_vocab_index", None)
+            per_size = tokenizer.__dict__.get(_ATTR) if hasattr(tokenizer, "__dict__") else None
+            if per_size is None:
+                try:
+                    per_size = _registry.get(tokenizer)
+                except TypeError:
+                    per_size = None
             if per_size is not None and size in per_size:
                 return per_size[size]
         index = cls(tokenizer, size)
         with _registry_lock:
-            try:
-                per_size = _registry.setdefault(tokenizer, {})
-            except TypeError:
-                per_size = getattr(tokenizer, "_lmq_vocab_index", None)
-                if per_size is None:
-                    per_size = {}
-                    setattr(tokenizer, "_lmq_vocab_index", per_size)
+            per_size = tokenizer.__dict__.get(_ATTR) if hasattr(tokenizer, "__dict__") else None
+            if per_size is None:
+                per_size = {}
+                try:
+                    object.__setattr__(tokenizer, _ATTR, per_size)
+                except (AttributeError, TypeError):
+                    try:
+                        per_size = _registry.setdefault(tokenizer, per_size)
+                    except TypeError:
+                        pass
             return per_size.setdefault(size, index)
 
     def __init__(self, tokenizer: Any, size: int):
@@ -415,7 +423,7 @@ def _token_bytes_table(tokenizer: Any, n: int) -> tuple[list[bytes], set[int]]:
             try:
                 text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
             except Exception:
-                text = ""
+                text = piece
             out.append(text.encode("utf-8"))
     return out, special
 
@@ -434,27 +442,22 @@ def _build_ll_tokenizer(index: VocabIndex) -> Any:
         pass
 
     # A tokenizer llguidance cannot read (a slow one): describe it from our own byte table.
-    class _G:
-        pass
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTableTokenizer(index)),
+                                  n_vocab=index.size, eos_token=eos_arg)
 
-    g = _G()
-    g.eos_token_id = eos[0] if eos else 0
-    g.bos_token_id = getattr(tok, "bos_token_id", None)
-    special_ids = np.flatnonzero(index.special).tolist()
-    g.tokens = [b if not index.special[i] else b"\xff<special_%d>" % i for i, b in enumerate(index.token_bytes)]
-    g.special_token_ids = special_ids
 
-    def call(s: bytes | str) -> list[int]:
+class _ByteTableTokenizer:
+    """What `llguidance.TokenizerWrapper` wants, built from a VocabIndex (special tokens as b"\xff<...>")."""
+
+    def __init__(self, index: VocabIndex):
+        eos = sorted(index.eos_ids)
+        self.eos_token_id = eos[0] if eos else 0
+        self.bos_token_id = getattr(index.tokenizer, "bos_token_id", None)
+        self.special_token_ids = np.flatnonzero(index.special).tolist()
+        self.tokens = [b"\xff<special_%d>" % i if index.special[i] else b for i, b in enumerate(index.token_bytes)]
+        self._encode = index.tokenizer.encode
+
+    def __call__(self, s: bytes | str) -> list[int]:
         if isinstance(s, bytes):
             s = s.decode("utf-8", errors="replace")
-        return list(tok.encode(s, add_special_tokens=False))
-
-    g.__call__ = call  # type: ignore[attr-defined]
-
-    class _Callable(_G):
-        def __call__(self, s):  # noqa: D401
-            return call(s)
-
-    c = _Callable()
-    c.__dict__.update(g.__dict__)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(c), n_vocab=index.size, eos_token=eos_arg)
+        return list(self._encode(s, add_special_tokens=False))
