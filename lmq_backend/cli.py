@@ -1,4 +1,5 @@
-"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M]`."""
+"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M]` and
+`lmq profile FILE.lmq --inputs data.jsonl [...]` (see `lmq_backend.profile`)."""
 from __future__ import annotations
 
 import argparse
@@ -85,7 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help='model to use instead of the query\'s `from`: "default", "hf:<dir>" or a registered name')
     run.add_argument("--json", action="store_true", help="print the results as JSON")
     run.set_defaults(func=cmd_run)
+    profile = sub.add_parser(
+        "profile", help="run a query over a JSONL file of inputs and report cache hit rates and latency",
+        description="Run a query once per line of a JSONL file (each line a JSON object of the query's inputs) "
+                    "and print, per query template and in total: calls, prompt tokens, tokens reused from the "
+                    "prefix cache / prefilled / decoded, the token hit rate (reused / prompt tokens, counted per "
+                    "prefill), p50/p95 call latency, and the cache's evictions, bytes in use and nodes.")
+    from .profile import add_arguments
+
+    add_arguments(profile)
+    profile.set_defaults(func=cmd_profile)
     return parser
+
+
+def cmd_profile(args) -> int:
+    from .profile import run_cli
+
+    return run_cli(args, _read_source)
 
 
 def main(argv: list[str] | None = None) -> int:

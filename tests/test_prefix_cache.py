@@ -118,17 +118,9 @@ for question in questions:
     "<|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n[ANSWER]" where len(TOKENS(ANSWER)) < 6
     "<|im_end|>\\n"
 ''', model=backend)
-    lookups = []
-    original = backend._prefill
-
-    def spy(seq):
-        before = backend.stats()
-        out = original(seq)
-        after = backend.stats()
-        lookups.append((after.tokens_requested - before.tokens_requested, after.tokens_reused - before.tokens_reused))
-        return out
-
-    backend._prefill = spy
+    lookups = []  # (prompt tokens, tokens from the trie) of each prefill
+    backend.on_step(lambda step: lookups.append((step.new_tokens + step.cached_tokens, step.cached_tokens))
+                    if step.kind == "prefill" else None)
     cold = make_backend("llama", cache_budget=0)
     questions = ["Hi!", "What is 2+2?", "Thanks, bye."]
     r = await q.run({"questions": questions})

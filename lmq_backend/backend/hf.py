@@ -7,7 +7,6 @@ reference behaviour).
 """
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import torch
 
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
-from ..engine.runner import ModelRunner
+from ..engine.runner import ModelRunner, PrefillRow
+from ..engine.scheduler import Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
@@ -83,6 +83,7 @@ class HFBackend(Backend):
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model)
+        self.scheduler = Scheduler(self.runner)
         self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
         self._extendable = ~self._vocab.special
         self.trie = PrefixTrie(parse_bytes(cache_budget))
@@ -109,51 +110,64 @@ class HFBackend(Backend):
             self._check_length(seq, len(seq.ids))
 
     async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
-        logits, cache = self._prefill(seq)
-        prompt_len = len(seq.ids)
-        generated: list[int] = []
-        computed = 0  # generated tokens whose K/V are in `cache`
-        stop = None
-        while True:
-            allowed, can_end = state.allowed(), state.can_end()
-            extendable = self._extendable if allowed is None else allowed & self._extendable
-            if not extendable.any():
-                if can_end:
-                    break  # closed: no token can extend the value, so no forward is needed
-                raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
-            if prompt_len + len(generated) >= seq.max_len:
-                if can_end:
+        logits, row = await self.scheduler.prefill(_Prefill(self, seq))
+        try:
+            prompt_len = len(seq.ids)
+            generated: list[int] = []
+            stop = None
+            while True:
+                allowed, can_end = state.allowed(), state.can_end()
+                extendable = self._extendable if allowed is None else allowed & self._extendable
+                if not extendable.any():
+                    if can_end:
+                        break  # closed: no token can extend the value, so no forward is needed
+                    raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
+                if prompt_len + len(generated) >= seq.max_len:
+                    if can_end:
+                        break
+                    self._check_length(seq, prompt_len + len(generated) + 1)
+                if logits is None:  # feed the last picked token only now that another pick is needed
+                    logits = await self.scheduler.decode(row, generated[-1])
+                    self._count_decoded(seq)
+                token = sampler.select(logits, None if can_end else torch.from_numpy(extendable))
+                if can_end and not extendable[token]:
+                    break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
+                generated.append(token)
+                stop = state.advance(token)
+                if stop is not None:
                     break
-                self._check_length(seq, prompt_len + len(generated) + 1)
-            if logits is None:  # feed the last picked token only now that another pick is needed
-                await asyncio.sleep(0)  # let other queries run, and a cancellation land, between steps
-                logits = self.runner.decode(cache, generated[-1], prompt_len + computed)
-                computed += 1
-                self._totals.tokens_decoded += 1
-                self._template(seq).tokens_decoded += 1
-            token = sampler.select(logits, None if can_end else torch.from_numpy(extendable))
-            if can_end and not extendable[token]:
-                break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
-            generated.append(token)
-            stop = state.advance(token)
-            if stop is not None:
-                break
-            logits = None
-        if stop is None:
-            value, value_ids = state.text, generated
-        else:
-            value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode(stop.tail)
-        self._cache_generated(seq, cache, prompt_len, generated[: min(computed, stop.keep if stop else computed)])
+                logits = None
+            computed = row.length - prompt_len  # generated tokens whose K/V the row holds
+            if stop is None:
+                value, value_ids = state.text, generated
+            else:
+                value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode(stop.tail)
+                computed = min(computed, stop.keep)
+            if computed and seq.handle is not None and seq.handle.depth == prompt_len:
+                self._insert(seq, seq.handle, generated[:computed], row, prompt_len)
+        finally:
+            self.scheduler.release(row)
         seq.ids.extend(value_ids)
         seq.text += value
         return value
 
+    async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
+        logits, row = await self.scheduler.prefill(_Prefill(self, seq))
+        try:
+            prefix = self.scheduler.pool.segment(row.slot, 0, len(seq.ids))
+            return self.runner.score(prefix, logits, continuations)
+        finally:
+            self.scheduler.release(row)
+
     async def score(self, seq: Sequence, options: list[str]) -> list[float]:
-        logits, cache = self._prefill(seq)
-        return self.runner.score(cache, len(seq.ids), logits, [self._vocab.encode(o) for o in options])
+        per_token = await self.score_tokens(seq, [self._vocab.encode(o) for o in options])
+        return [sum(lps) for lps in per_token]
 
     def release(self, seq: Sequence) -> None:
         self._pin(seq, None)
+
+    def on_step(self, callback) -> None:
+        self.scheduler.on_step = callback
 
     # ----- statistics ------------------------------------------------------------------------------
 
@@ -198,28 +212,39 @@ class HFBackend(Backend):
             self.trie.unpin(seq.handle)
         seq.handle = node
 
-    def _prefill(self, seq: Sequence):
-        """Logits for the token after `seq.ids`, computing only what the trie does not hold."""
+    def _count_decoded(self, seq: Sequence) -> None:
+        self._totals.tokens_decoded += 1
+        self._template(seq).tokens_decoded += 1
+
+    def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], row: Row, start: int) -> None:
+        """Store the row's K/V of positions [start, start + len(ids)) under `parent`; pin what was stored."""
+        if self.trie.budget_bytes == 0:
+            return
+        child = self.trie.insert(parent, ids, self.scheduler.pool.segment(row.slot, start, start + len(ids)))
+        if child is not None:
+            self._pin(seq, child)
+
+
+class _Prefill:
+    """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
+
+    def __init__(self, backend: HFBackend, seq: Sequence):
         ids = seq.ids
         if not ids:
             raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
-        self._check_length(seq, len(ids))
-        node, n = self.trie.match(ids, limit=len(ids) - 1)
-        self._pin(seq, node)
-        for t in (self._totals, self._template(seq)):
-            t.record_prefill(len(ids), n)
-        logits, cache = self.runner.prefill(self.trie.path_kv(node) if n else [], ids[n:], n)
-        self._insert(seq, node, ids[n:], cache, n)
-        return logits, cache
+        backend._check_length(seq, len(ids))
+        self.backend, self.seq, self.ids = backend, seq, ids
+        self.node: TrieNode | None = None
+        self.cached = 0
 
-    def _cache_generated(self, seq: Sequence, cache, start: int, ids: list[int]) -> None:
-        node = seq.handle
-        if ids and node is not None and node.depth == start:
-            self._insert(seq, node, ids, cache, start)
+    def prepare(self) -> PrefillRow:
+        trie = self.backend.trie
+        self.node, self.cached = trie.match(self.ids, limit=len(self.ids) - 1)
+        self.backend._pin(self.seq, self.node)
+        return PrefillRow(trie.path_kv(self.node) if self.cached else [], self.cached, self.ids[self.cached:])
 
-    def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], cache, start: int) -> None:
-        if self.trie.budget_bytes == 0:
-            return
-        child = self.trie.insert(parent, ids, cache.segment(start, start + len(ids)))
-        if child is not None:
-            self._pin(seq, child)
+    def complete(self, logits: torch.Tensor, row: Row) -> None:
+        b = self.backend
+        for t in (b._totals, b._template(self.seq)):
+            t.record_prefill(len(self.ids), self.cached)
+        b._insert(self.seq, self.node, self.ids[self.cached:], row, self.cached)

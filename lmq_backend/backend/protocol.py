@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import LMQBackendError
 
 if TYPE_CHECKING:
-    from ..cache.stats import CacheStats
+    from ..cache.stats import CacheStats, StepInfo
     from ..runtime.constraints import HoleState
     from ..runtime.decoders import Sampler
     from ..runtime.vocab import VocabIndex
@@ -58,6 +58,10 @@ class Backend(abc.ABC):
     async def score(self, seq: Sequence, options: list[str]) -> list[float]:
         """Log-probability of each option as the continuation of `seq` (seq is not changed)."""
 
+    async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of each continuation (token ids) after `seq` (seq is not changed)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score token ids")
+
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """The query is done with `seq` (finished, failed or cancelled): drop its pins."""
@@ -72,6 +76,9 @@ class Backend(abc.ABC):
 
     def record_call(self, template: str, seconds: float) -> None:
         """A query call of `template` finished in `seconds` (for per-template latency stats)."""
+
+    def on_step(self, callback: Callable[["StepInfo"], None] | None) -> None:
+        """Call `callback(StepInfo)` after every model forward (None removes it); for live monitoring."""
 
 
 _REGISTRY: dict[str, Backend] = {}

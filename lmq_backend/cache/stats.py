@@ -1,11 +1,52 @@
-"""Cache statistics, as `backend.stats()` reports them.
+"""Cache statistics, as `backend.stats()` reports them, and a table of them for people.
 
-Hit rate is counted per prefill, as serving engines report it: `token_hit_rate` = tokens served from the
-trie / prompt tokens the prefills needed (served + computed).
+What is counted
+---------------
+Every time a hole is filled or a `distribution` is scored, the backend *prefills*: it needs the K/V of
+every prompt token so far. It looks the prompt's token ids up in the prefix trie (one *lookup*), takes
+the longest cached prefix from the trie (*reused* tokens) and computes the rest (*prefilled* tokens).
+A lookup that reuses at least one token is a *hit*.
+
+- ``tokens_requested``: prompt tokens the prefills needed, summed over prefills (= reused + prefilled).
+- ``tokens_reused``: of those, tokens served from the trie.
+- ``tokens_prefilled``: of those, tokens computed by the model.
+- ``token_hit_rate`` = ``tokens_reused / tokens_requested``: the share of prompt tokens served from the
+  cache, counted per prefill as serving engines count it (SGLang's cache hit rate is
+  cached / (cached + new) over prefills). A query with two holes prefills twice, and the second prefill
+  usually reuses the first's prompt and generated value, so it counts twice. The last prompt token is
+  always computed (its logits pick the next token), so an exact repeat of a prompt of N tokens reuses
+  N - 1 of them.
+- ``tokens_decoded``: generated tokens fed back through the model, one forward each; not part of the
+  hit rate.
+- ``evictions``: trie nodes dropped to stay within the cache budget since the last ``reset_stats()``.
+- ``bytes_in_use``, ``nodes``, ``pinned_nodes``: the trie now (gauges, not reset by ``reset_stats()``).
+
+Counters are kept in total and per query template (``per_template``, keyed by ``Query.name``: the
+function name for ``@lmq.query``, else the ``name=`` given, else the first line of the source; ``lmq
+run``/``lmq profile`` name a file's query by its path). Each template also records the wall time of each
+call (``latencies``, seconds), summarised as ``p50``/``p95``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+
+_COUNTERS = ("calls", "lookups", "hits", "tokens_requested", "tokens_reused", "tokens_prefilled", "tokens_decoded")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, interpolated linearly between ranks (as numpy's default);
+    None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _rate(num: int, den: int) -> float:
+    return num / den if den else 0.0
 
 
 @dataclass(slots=True)
@@ -19,11 +60,27 @@ class TemplateStats:
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_decoded: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call
 
     @property
     def token_hit_rate(self) -> float:
-        return self.tokens_reused / self.tokens_requested if self.tokens_requested else 0.0
+        """tokens_reused / tokens_requested (0.0 before any prefill)."""
+        return _rate(self.tokens_reused, self.tokens_requested)
+
+    @property
+    def lookup_hit_rate(self) -> float:
+        """hits / lookups: the share of prefills that reused at least one token."""
+        return _rate(self.hits, self.lookups)
+
+    @property
+    def p50(self) -> float | None:
+        """Median call latency in seconds (None before any call)."""
+        return percentile(self.latencies, 50)
+
+    @property
+    def p95(self) -> float | None:
+        """95th-percentile call latency in seconds (None before any call)."""
+        return percentile(self.latencies, 95)
 
     def record_prefill(self, requested: int, reused: int) -> None:
         self.lookups += 1
@@ -32,9 +89,24 @@ class TemplateStats:
         self.tokens_reused += reused
         self.tokens_prefilled += requested - reused
 
+    def copy(self) -> "TemplateStats":
+        return TemplateStats(*(getattr(self, f) for f in _COUNTERS), latencies=list(self.latencies))
+
+    def as_dict(self, latencies: bool = False) -> dict:
+        """JSON-ready: the counters, the hit rates and p50/p95 (seconds; null before any call). The raw
+        latency list only with `latencies=True`."""
+        d = {f: getattr(self, f) for f in _COUNTERS}
+        d.update(token_hit_rate=self.token_hit_rate, lookup_hit_rate=self.lookup_hit_rate,
+                 p50_seconds=self.p50, p95_seconds=self.p95)
+        if latencies:
+            d["latencies"] = list(self.latencies)
+        return d
+
 
 @dataclass(slots=True)
 class CacheStats:
+    """A backend's cache statistics (`backend.stats()`); see the module docstring for the definitions."""
+
     lookups: int = 0
     hits: int = 0
     tokens_requested: int = 0
@@ -49,11 +121,115 @@ class CacheStats:
 
     @property
     def token_hit_rate(self) -> float:
-        return self.tokens_reused / self.tokens_requested if self.tokens_requested else 0.0
+        """tokens_reused / tokens_requested (0.0 before any prefill)."""
+        return _rate(self.tokens_reused, self.tokens_requested)
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["token_hit_rate"] = self.token_hit_rate
+    @property
+    def lookup_hit_rate(self) -> float:
+        """hits / lookups."""
+        return _rate(self.hits, self.lookups)
+
+    @property
+    def calls(self) -> int:
+        """Finished query calls, over all templates."""
+        return sum(t.calls for t in self.per_template.values())
+
+    @property
+    def latencies(self) -> list[float]:
+        """Every call's latency (seconds), over all templates."""
+        return [x for t in self.per_template.values() for x in t.latencies]
+
+    @property
+    def p50(self) -> float | None:
+        return percentile(self.latencies, 50)
+
+    @property
+    def p95(self) -> float | None:
+        return percentile(self.latencies, 95)
+
+    def since(self, earlier: "CacheStats") -> "CacheStats":
+        """The counters accumulated between `earlier` and this snapshot (both from the same backend, with
+        no `reset_stats()` between); the gauges (bytes in use, nodes) are this snapshot's. Latencies are
+        those recorded after `earlier`."""
+        out = CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                            for f in fields(CacheStats) if f.name in _COUNTERS or f.name == "evictions"},
+                         bytes_in_use=self.bytes_in_use, nodes=self.nodes, pinned_nodes=self.pinned_nodes)
         for name, t in self.per_template.items():
-            d["per_template"][name]["token_hit_rate"] = t.token_hit_rate
+            e = earlier.per_template.get(name, TemplateStats())
+            d = TemplateStats(*(getattr(t, f) - getattr(e, f) for f in _COUNTERS),
+                              latencies=list(t.latencies[len(e.latencies):]))
+            if any(getattr(d, f) for f in _COUNTERS):
+                out.per_template[name] = d
+        return out
+
+    def as_dict(self, latencies: bool = False) -> dict:
+        """JSON-ready (`json.dumps` takes it as is): the counters, gauges, hit rates, the number of calls,
+        p50/p95 latency in seconds (null before any call) in total and per template. The raw latency
+        lists only with `latencies=True`."""
+        d = {f.name: getattr(self, f.name) for f in fields(CacheStats) if f.name != "per_template"}
+        d.update(calls=self.calls, token_hit_rate=self.token_hit_rate, lookup_hit_rate=self.lookup_hit_rate,
+                 p50_seconds=self.p50, p95_seconds=self.p95,
+                 per_template={name: t.as_dict(latencies) for name, t in self.per_template.items()})
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """One model forward of the engine, as `backend.on_step(callback)` reports it."""
+
+    kind: str            # "prefill", "decode" or "score"
+    batch_size: int      # rows in the forward
+    new_tokens: int      # tokens computed in this forward (all rows)
+    cached_tokens: int   # tokens the rows attended to from the cache (served from the trie or earlier steps)
+    seconds: float       # wall time of the forward
+
+
+# ----- for people ---------------------------------------------------------------------------------------
+
+def format_bytes(n: int) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as `cache_budget="2GB"` reads them)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _short(name: str, width: int) -> str:
+    name = " ".join(name.split())  # a first line of source may hold tabs; keep the table on one line
+    if len(name) <= width:
+        return name
+    if "/" in name and " " not in name:  # a file's path: its end names it
+        return "…" + name[-(width - 1):]
+    return name[: width - 1] + "…"
+
+
+def format_table(stats: CacheStats, name_width: int = 36) -> str:
+    """The statistics as a plain-text table: one row per template and a total row (calls, prompt tokens,
+    reused, prefilled, token hit rate, decoded, p50/p95 latency), then the trie's state."""
+    headers = ("template", "calls", "prompt tok", "reused", "prefilled", "hit rate", "decoded", "p50 ms", "p95 ms")
+
+    def row(name: str, calls: int, t, p50, p95):
+        return (_short(name, name_width), str(calls), str(t.tokens_requested), str(t.tokens_reused),
+                str(t.tokens_prefilled), f"{100 * t.token_hit_rate:.1f}%", str(t.tokens_decoded), _ms(p50), _ms(p95))
+
+    rows = [row(name, t.calls, t, t.p50, t.p95) for name, t in sorted(stats.per_template.items())]
+    total = row("total", stats.calls, stats, stats.p50, stats.p95)
+    widths = [max(len(r[i]) for r in [headers, *rows, total]) for i in range(len(headers))]
+
+    def line(r) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    rule = "-" * len(line(headers))
+    out = [line(headers), rule, *(line(r) for r in rows)]
+    if rows:
+        out.append(rule)
+    out.append(line(total))
+    out.append("")
+    out.append(f"cache: {stats.lookups} lookups, {stats.hits} hits; {stats.evictions} evictions; "
+               f"{format_bytes(stats.bytes_in_use)} in use in {stats.nodes} nodes ({stats.pinned_nodes} pinned)")
+    out.append("hit rate = prompt tokens served from the prefix cache / prompt tokens the prefills needed")
+    return "\n".join(out)

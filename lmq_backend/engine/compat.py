@@ -55,34 +55,36 @@ def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
     return out.logits, output_cache(out) or cache
 
 
-class _BufferLayer(DynamicLayer):
-    """One layer of a `KVBuffer` seen as a transformers cache layer: `update` writes the new K/V in place
-    at the end of the valid columns instead of concatenating, and returns views of the buffer."""
+class _PoolLayer(DynamicLayer):
+    """One layer of a `KVPool` seen as a transformers cache layer, for a range of row slots whose cache
+    starts at column `first`: `update` writes the new K/V in place after the `length` cached columns
+    (only where `write` is true, if given) instead of concatenating, and returns views of the pool."""
 
-    def __init__(self, buffer, layer: int, length: int):
+    def __init__(self, pool, layer: int, rows: slice, first: int, length: int, write: torch.Tensor | None):
         super().__init__()
-        self.buffer, self.layer = buffer, layer
-        self.device = buffer.data.device
+        self.pool, self.layer, self.rows, self.first, self.write = pool, layer, rows, first, write
+        self.device = pool.data.device
         self.is_initialized = True
         self._set_length(length)
 
     def _set_length(self, n: int) -> None:
         self.length = n
-        self.keys = self.buffer.data[self.layer, 0, :, :, :n]
-        self.values = self.buffer.data[self.layer, 1, :, :, :n]
+        self.keys = self.pool.data[self.layer, 0, self.rows, :, self.first:self.first + n]
+        self.values = self.pool.data[self.layer, 1, self.rows, :, self.first:self.first + n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n, t = self.length, key_states.shape[-2]
-        self.buffer.reserve(n + t)
-        self.buffer.data[self.layer, 0, :, :, n:n + t].copy_(key_states)
-        self.buffer.data[self.layer, 1, :, :, n:n + t].copy_(value_states)
-        self._set_length(n + t)
+        lo, hi = self.first + self.length, self.first + self.length + key_states.shape[-2]
+        for kv, new in ((0, key_states), (1, value_states)):
+            dst = self.pool.data[self.layer, kv, self.rows, :, lo:hi]
+            dst.copy_(new if self.write is None else torch.where(self.write[:, None, :, None], new, dst))
+        self._set_length(self.length + key_states.shape[-2])
         return self.keys, self.values
 
 
-def buffer_cache(buffer, length: int) -> Cache:
-    """A transformers cache over `buffer` (a `KVBuffer`) whose first `length` columns hold valid K/V."""
-    return Cache(layers=[_BufferLayer(buffer, i, length) for i in range(buffer.data.shape[0])])
+def pool_cache(pool, rows: slice, first: int, length: int, write: torch.Tensor | None = None) -> Cache:
+    """A transformers cache over slots `rows` of `pool` (a `KVPool`): columns [first, first + length) are
+    the cache; a forward appends after them. `write` [B, T] bool limits which new tokens are stored."""
+    return Cache(layers=[_PoolLayer(pool, i, rows, first, length, write) for i in range(pool.data.shape[0])])
 
 
 def kv_shape(config) -> tuple[int, int, int]:

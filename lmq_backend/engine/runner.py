@@ -1,29 +1,26 @@
-"""The model runner: forwards of a Hugging Face causal LM on top of cached K/V.
+"""The model runner: batched forwards of a Hugging Face causal LM over the rows of a `KVPool`.
 
-K/V move between the runner and the prefix trie in the trie's layout `[L, 2, H_kv, T, D]`
-(see `lmq_backend/cache/trie.py`); inside a forward they live in a transformers cache, per layer
-`[B, H_kv, T, D]`.
+Prefill (many new tokens per row) and decode (one token per row) both run through the model's normal
+forward, with a transformers cache that reads and writes the pool in place (`compat.pool_cache`). K/V
+leave the pool for the prefix trie as `pool.segment(...)` views in the trie layout `[L, 2, H, T, D]`.
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
 
+import torch
+
 from . import compat
-from .kv_buffer import KVBuffer
+from .kv_pool import KVPool
 
 
 @dataclass(slots=True)
-class RowCache:
-    """One row's K/V during a generation: the buffer and the transformers cache that writes into it."""
+class PrefillRow:
+    """One row of a prefill: `cached` tokens whose K/V are the trie `segments`, then new token `ids`."""
 
-    buffer: KVBuffer
-    cache: object
-
-    def segment(self, start: int, end: int) -> torch.Tensor:
-        """K/V of positions [start, end), trie layout [L, 2, H, T, D] (a view: the trie copies it)."""
-        return self.buffer.segment(0, start, end)
+    segments: list[torch.Tensor]
+    cached: int
+    ids: list[int]
 
 
 class ModelRunner:
@@ -34,55 +31,79 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().out_features
         self.kv_shape = compat.kv_shape(model.config)
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], dtype=torch.long, device=self.device)
+    def new_pool(self) -> KVPool:
+        return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device)
 
-    @torch.inference_mode()
-    def prefill(self, segments: list[torch.Tensor], ids: list[int], start: int, room: int = 64):
-        """Run `ids` at positions start.. on top of the cached `segments` (trie nodes' K/V [L,2,H,T,D], `start`
-        tokens in all), leaving room for `room` more tokens.
+    @torch.no_grad()
+    def prefill(self, pool: KVPool, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[int]]:
+        """Add `rows` to the pool and run their new tokens as one left-padded forward.
 
-        Returns (logits of the last position [V] float32, a RowCache holding start + len(ids) tokens)."""
-        assert ids, "a prefill needs at least one new token"
-        buffer = KVBuffer.from_segments(segments, len(ids) + room, shape=self.kv_shape,
-                                        dtype=self.dtype, device=self.device)
-        row = RowCache(buffer, compat.buffer_cache(buffer, start))
-        n = start + len(ids)
-        positions = torch.arange(start, n, device=self.device)[None]
-        mask = torch.ones(1, n, dtype=torch.long, device=self.device)
-        logits, _ = compat.forward(self.model, self._ids(ids), mask, positions, row.cache)
-        return logits[0, -1].float(), row
+        Row i's cached K/V go to columns [end - n_i - m_i, end - m_i) and its m_i new tokens to
+        [end - m_i, end): every row ends at the pool's common `end`, with no gap, so the batch is
+        realigned by construction. Returns (last-position logits [B, V] float32, the rows' slots)."""
+        assert all(r.ids for r in rows), "a prefill row needs at least one new token"
+        lengths = [r.cached + len(r.ids) for r in rows]
+        width, longest = max(len(r.ids) for r in rows), max(lengths)
+        pool.make_room(pool.rows + len(rows), longest, extra=1)
+        slots = pool.add_rows(lengths)
+        for slot, row, n in zip(slots, rows, lengths):
+            pool.write_segments(slot, row.segments, pool.end - n)
+        b, first = len(rows), pool.end - longest
+        ids = torch.zeros(b, width, dtype=torch.long)
+        write = torch.zeros(b, width, dtype=torch.bool)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, longest, dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            m = len(row.ids)
+            ids[i, width - m:] = torch.tensor(row.ids)
+            write[i, width - m:] = True
+            positions[i, width - m:] = torch.arange(row.cached, n)
+            mask[i, longest - n:] = 1
+        cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width,
+                                  write.to(self.device))
+        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device),
+                                   positions.to(self.device), cache)
+        return logits[:, -1].float(), slots
 
-    @torch.inference_mode()
-    def decode(self, row: "RowCache", token: int, position: int) -> torch.Tensor:
-        """One token at `position` on top of `row` (which holds `position` tokens); returns its logits [V]."""
-        positions = torch.tensor([[position]], device=self.device)
-        mask = torch.ones(1, position + 1, dtype=torch.long, device=self.device)
-        logits, _ = compat.forward(self.model, self._ids([token]), mask, positions, row.cache)
-        return logits[0, -1].float()
+    @torch.no_grad()
+    def decode(self, pool: KVPool, rows: slice, tokens: list[int]) -> torch.Tensor:
+        """One token for each row of `rows` (a slot range), written at column `end`. The caller advances
+        `pool.end` once every row of the pool has been stepped. Returns logits [B, V] float32."""
+        starts = pool.start[rows]
+        first = min(starts)
+        b, length = len(starts), pool.end - first
+        mask = torch.zeros(b, length + 1, dtype=torch.long)
+        for i, s in enumerate(starts):
+            mask[i, s - first:] = 1
+        positions = torch.tensor([[pool.end - s] for s in starts])
+        cache = compat.pool_cache(pool, rows, first, length)
+        logits, _ = compat.forward(self.model, torch.tensor(tokens)[:, None].to(self.device),
+                                   mask.to(self.device), positions.to(self.device), cache)
+        return logits[:, -1].float()
 
-    @torch.inference_mode()
-    def score(self, row: "RowCache", start: int, last_logits: torch.Tensor, options: list[list[int]]) -> list[float]:
-        """Sum of log-probabilities of each option's tokens after the `start` tokens held in `row`, whose
-        next-token logits are `last_logits`. The options run as one right-padded batch."""
+    @torch.no_grad()
+    def score(self, prefix: torch.Tensor, last_logits: torch.Tensor, options: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of each option after a prompt whose K/V are `prefix` ([L, 2, H, n, D])
+        and whose next-token logits are `last_logits`. The options run as one right-padded batch."""
         first = torch.log_softmax(last_logits, dim=-1)
-        scores = [float(first[o[0]]) if o else 0.0 for o in options]
+        scores = [[float(first[o[0]])] if o else [] for o in options]
         rows = [(i, o) for i, o in enumerate(options) if len(o) > 1]
         if not rows:
             return scores
-        width = max(len(o) - 1 for _, o in rows)
-        b = len(rows)
-        ids = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(b, start + width, dtype=torch.long, device=self.device)
-        mask[:, :start] = 1
+        n, width, b = prefix.shape[3], max(len(o) - 1 for _, o in rows), len(rows)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, n + width, dtype=torch.long)
+        mask[:, :n] = 1
         for r, (_, o) in enumerate(rows):
             ids[r, : len(o) - 1] = torch.tensor(o[:-1])
-            mask[r, start: start + len(o) - 1] = 1
-        positions = torch.arange(start, start + width, device=self.device)[None].expand(b, -1)
-        layers = [(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in compat.cache_layers(row.cache)]
-        logits, _ = compat.forward(self.model, ids, mask, positions, compat.make_cache(layers), logits_to_keep=width)
+            mask[r, n: n + len(o) - 1] = 1
+        positions = torch.arange(n, n + width)[None].expand(b, -1)
+        layers = [(prefix[i, 0][None].expand(b, -1, -1, -1), prefix[i, 1][None].expand(b, -1, -1, -1))
+                  for i in range(prefix.shape[0])]
+        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device), positions.to(self.device),
+                                   compat.make_cache(layers), logits_to_keep=width)
         logp = torch.log_softmax(logits.float(), dim=-1)
         for r, (i, o) in enumerate(rows):
-            targets = torch.tensor(o[1:], device=self.device)
-            scores[i] += float(logp[r, torch.arange(len(o) - 1), targets].sum())
+            targets = torch.tensor(o[1:], device=logp.device)
+            scores[i] += logp[r, torch.arange(len(o) - 1, device=logp.device), targets].tolist()
         return scores

@@ -1,0 +1,105 @@
+"""`KVPool`: the K/V of the running batch in one tensor, in the layout the prefix trie and the decode
+kernel share (see `lmq_backend/cache/trie.py` and `kernels/decode_attention.py`):
+
+    data: [L, 2, R, H_kv, S, D]     layer, K/V, row slot, kv head, column, head dim
+
+Rows live in slots 0..rows-1 and are left-padded: row r's valid tokens occupy columns
+[start[r], end), with `end` common to every row. A prefill writes the new rows' tokens so that they
+end at `end` too, a decode step writes column `end` of every row and advances it. The pool keeps
+free columns on the left (`headroom`) so that a joining row longer than the others rarely forces a
+shift, and free columns on the right for decode steps; both are restored by `make_room`, which shifts
+or regrows the tensor. Columns outside a row's range hold zeros or stale finite values, never NaN:
+attention masks them, and a masked NaN would still poison the softmax-weighted sum.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 rows: int = 4, columns: int = 256, headroom: int = 128):
+        self.shape = (layers, heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.headroom = headroom
+        self.data = torch.zeros(layers, 2, rows, heads, columns, head_dim, dtype=dtype, device=device)
+        self.rows = 0                 # slots in use: 0..rows-1
+        self.start: list[int] = []    # per slot: first valid column
+        self.end = headroom           # common end of every row's valid columns
+
+    # ----- geometry ---------------------------------------------------------------------------------
+
+    @property
+    def row_capacity(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def column_capacity(self) -> int:
+        return self.data.shape[4]
+
+    def length(self, slot: int) -> int:
+        return self.end - self.start[slot]
+
+    def make_room(self, rows: int, longest: int, extra: int) -> None:
+        """Ensure `rows` slots, that a row of `longest` tokens fits left of `end`, and `extra` free columns
+        right of `end`: shift the rows in place, or regrow the tensor, keeping every row's contents."""
+        used_from = min(self.start[: self.rows], default=self.end)
+        need_left = max(longest - self.end, 0)
+        if rows <= self.row_capacity and need_left == 0 and self.end + extra <= self.column_capacity:
+            return
+        span = self.end - used_from                          # columns holding valid tokens
+        new_end = max(span, longest) + self.headroom
+        columns = max(self.column_capacity, new_end + extra + self.headroom)
+        row_capacity = max(self.row_capacity, 2 * self.row_capacity if rows > self.row_capacity else 0, rows)
+        if rows <= self.row_capacity and new_end + extra <= self.column_capacity:
+            # Shift the rows inside the same tensor (the pool's address stays: CUDA graphs keep working).
+            self.data[:, :, :, :, new_end - span:new_end] = self.data[:, :, :, :, used_from:self.end].clone()
+        else:
+            grown = torch.zeros(*self.data.shape[:2], row_capacity, self.shape[1], columns, self.shape[2],
+                                dtype=self.dtype, device=self.device)
+            grown[:, :, : self.rows, :, new_end - span:new_end] = self.data[:, :, : self.rows, :, used_from:self.end]
+            self.data = grown
+        shift = self.end - new_end
+        self.start = [s - shift for s in self.start]
+        self.end = new_end
+
+    # ----- rows -------------------------------------------------------------------------------------
+
+    def add_rows(self, lengths: list[int]) -> list[int]:
+        """Reserve slots for rows of the given lengths (ending at `end`); returns their slots."""
+        slots = list(range(self.rows, self.rows + len(lengths)))
+        self.start.extend(self.end - n for n in lengths)
+        self.rows += len(lengths)
+        return slots
+
+    def write_segments(self, slot: int, segments: list[torch.Tensor], first_column: int) -> None:
+        """Copy trie segments ([L, 2, H, T, D] each) into a slot, from `first_column` on."""
+        col = first_column
+        for s in segments:
+            self.data[:, :, slot, :, col:col + s.shape[3]].copy_(s)
+            col += s.shape[3]
+
+    def remove_row(self, slot: int) -> int | None:
+        """Free a slot, moving the last row into it to keep slots dense; returns the moved row's old
+        slot (its new slot is `slot`), or None."""
+        last = self.rows - 1
+        moved = None
+        if slot != last:
+            self.data[:, :, slot].copy_(self.data[:, :, last])
+            self.start[slot] = self.start[last]
+            moved = last
+        self.start.pop()
+        self.rows -= 1
+        if self.rows == 0:
+            self.end = self.headroom
+        return moved
+
+    def segment(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of a row (positions in the row, not columns), trie layout [L, 2, H, T, D]:
+        a view, which the trie copies."""
+        base = self.start[slot]
+        return self.data[:, :, slot, :, base + start:base + end]
+
+    def view(self, rows: slice, first_column: int = 0) -> torch.Tensor:
+        """[L, 2, B, H, S', D] view of a range of slots from `first_column` on."""
+        return self.data[:, :, rows, :, first_column:]

@@ -1,0 +1,252 @@
+"""The scheduler: turns the model work of concurrent queries into batched forwards.
+
+A query's hole asks for a prefill (`await scheduler.prefill(request)`), then for one decode step per
+token (`await scheduler.decode(row, token)`), then leaves (`scheduler.release(row)`). One background
+task runs the steps:
+
+    loop:
+        wait until there is work
+        if prefills wait:  prepare them (trie lookups), pick a cache-aware set, one batched forward,
+                           the new rows join the running batch (continuous batching)
+        elif every running row has its next token:  one decode forward for the whole batch
+
+Rows join and leave between steps. A prefill that waits behind another one sharing a long uncached
+prefix is held back a round, so the shared part is computed once and then found in the trie. An
+out-of-memory error splits the batch and retries the halves.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..cache.stats import StepInfo
+from ..errors import LMQBackendError
+from .runner import ModelRunner, PrefillRow
+
+SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
+
+
+class PrefillRequest(Protocol):
+    """What a backend hands the scheduler for one prefill. Both methods run inside a scheduler step."""
+
+    ids: list[int]
+
+    def prepare(self) -> PrefillRow:
+        """Look up the cached prefix now; returns the row to prefill."""
+
+    def complete(self, logits: torch.Tensor, row: "Row") -> None:
+        """The row's prefill ran: store what it computed (before any later step can move it)."""
+
+
+@dataclass(eq=False)
+class Row:
+    """A sequence in the running batch; `slot` is its row in the pool and may change between steps."""
+
+    slot: int
+    length: int
+    live: bool = True
+
+
+@dataclass(eq=False)
+class _Waiting:
+    request: PrefillRequest
+    future: asyncio.Future
+    row: PrefillRow | None = None
+
+
+@dataclass
+class Scheduler:
+    runner: ModelRunner
+    max_prefill_tokens: int = 16384
+    on_step: Callable[[StepInfo], None] | None = None
+    waiting: list[_Waiting] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)            # by slot
+    decodes: dict[int, tuple[int, asyncio.Future]] = field(default_factory=dict)  # id(row) -> (token, future)
+
+    def __post_init__(self):
+        self.pool = self.runner.new_pool()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._bound: asyncio.AbstractEventLoop | None = None
+
+    # ----- the queries' side ----------------------------------------------------------------------------
+
+    async def prefill(self, request: PrefillRequest) -> tuple[torch.Tensor, Row]:
+        loop = self._loop()
+        future = loop.create_future()
+        self.waiting.append(_Waiting(request, future))
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.waiting = [w for w in self.waiting if w.future is not future]
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result()[1])
+            raise
+
+    async def decode(self, row: Row, token: int) -> torch.Tensor:
+        assert row.live, "decode on a row that left the batch"
+        future = self._loop().create_future()
+        self.decodes[id(row)] = (token, future)
+        self._wake.set()
+        return await future
+
+    def release(self, row: Row) -> None:
+        """The row leaves the batch (its hole is done, or its query failed or was cancelled)."""
+        if not row.live:
+            return
+        row.live = False
+        self.decodes.pop(id(row), None)
+        moved = self.pool.remove_row(row.slot)
+        self.rows[row.slot] = self.rows[-1]
+        self.rows.pop()
+        if moved is not None:
+            self.rows[row.slot].slot = row.slot
+        if self._wake is not None:
+            self._wake.set()
+
+    # ----- the steps ------------------------------------------------------------------------------------
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, with the step task running in it (started on demand; it ends when idle)."""
+        loop = asyncio.get_running_loop()
+        task = self._task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            if task.get_loop() is not loop:
+                raise LMQBackendError("a backend serves one event loop at a time")
+            return loop
+        if self._bound is not loop:  # a new event loop: whatever ran in an old one is gone
+            self._reset_rows()
+            self._wake, self._bound = asyncio.Event(), loop
+        self._task = loop.create_task(self._run(), name="lmq-scheduler")
+        return loop
+
+    def _reset_rows(self) -> None:
+        for row in self.rows:
+            row.live = False
+        self.rows.clear()
+        self.decodes.clear()
+        self.waiting.clear()
+        self.pool = self.runner.new_pool()
+
+    async def _run(self) -> None:
+        while self.waiting or self.rows:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # let every query that is ready submit before the step
+            try:
+                if self.waiting:
+                    self._prefill_step()
+                elif self.rows and len(self.decodes) == len(self.rows):
+                    self._decode_step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
+                self._fail_all(e)
+            if self.waiting or (self.rows and len(self.decodes) == len(self.rows)):
+                self._wake.set()
+
+    def _select(self) -> list[_Waiting]:
+        """Cache-aware choice of the prefills to run now: longest cached prefix first; a request whose
+        new tokens begin with a long prefix that a chosen one will compute waits for the trie instead."""
+        ready = [w for w in self.waiting if not w.future.done()]
+        for w in ready:
+            w.row = w.request.prepare()
+        ready.sort(key=lambda w: -w.row.cached)
+        chosen: list[_Waiting] = []
+        tokens = 0
+        for w in ready:
+            shares = any(self._shares_new_prefix(w, c) for c in chosen)
+            if shares or (chosen and tokens + len(w.row.ids) > self.max_prefill_tokens):
+                continue
+            chosen.append(w)
+            tokens += len(w.row.ids)
+        return chosen
+
+    @staticmethod
+    def _shares_new_prefix(w: _Waiting, chosen: _Waiting) -> bool:
+        """Will `chosen` compute a prefix of w's tokens that neither has cached: SHARED_PREFIX_MIN tokens of
+        it, or all of w's prompt (so w can wait and then reuse it from the trie)?"""
+        ids, other = w.request.ids, chosen.request.ids
+        cached = max(w.row.cached, chosen.row.cached)
+        k = min(cached + SHARED_PREFIX_MIN, len(ids) - 1, len(other))
+        return k > cached and ids[:k] == other[:k]
+
+    def _prefill_step(self) -> None:
+        chosen = self._select()
+        chosen_set = set(map(id, chosen))
+        self.waiting = [w for w in self.waiting if id(w) not in chosen_set and not w.future.done()]
+        self._prefill(chosen)
+
+    def _prefill(self, batch: list[_Waiting]) -> None:
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            logits, slots = self.runner.prefill(self.pool, [w.row for w in batch])
+        except torch.OutOfMemoryError:
+            while self.pool.rows > len(self.rows):
+                self.pool.remove_row(self.pool.rows - 1)
+            if len(batch) == 1:
+                batch[0].future.set_exception(LMQBackendError("out of memory prefilling one query"))
+                return
+            half = len(batch) // 2
+            self._prefill(batch[:half])
+            self._prefill(batch[half:])
+            return
+        self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
+                     sum(w.row.cached for w in batch), started)
+        for w, slot, row_logits in zip(batch, slots, logits):
+            row = Row(slot=slot, length=w.row.cached + len(w.row.ids))
+            self.rows.append(row)
+            try:
+                w.request.complete(row_logits, row)
+            except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
+                self.release(row)
+                if not w.future.done():
+                    w.future.set_exception(e)
+                continue
+            if w.future.done():  # cancelled while it ran
+                self.release(row)
+            else:
+                w.future.set_result((row_logits, row))
+
+    def _decode_step(self) -> None:
+        started = time.perf_counter()
+        tokens = [self.decodes[id(row)][0] for row in self.rows]
+        logits = self._decode(slice(0, len(self.rows)), tokens)
+        self.pool.end += 1
+        self._report("decode", len(tokens), len(tokens), sum(r.length for r in self.rows), started)
+        for row, row_logits in zip(list(self.rows), logits):
+            row.length += 1
+            _, future = self.decodes.pop(id(row))
+            if not future.done():
+                future.set_result(row_logits)
+
+    def _decode(self, rows: slice, tokens: list[int]) -> torch.Tensor:
+        try:
+            return self.runner.decode(self.pool, rows, tokens)
+        except torch.OutOfMemoryError:
+            n = rows.stop - rows.start
+            if n == 1:
+                raise
+            mid = rows.start + n // 2
+            return torch.cat([self._decode(slice(rows.start, mid), tokens[: n // 2]),
+                              self._decode(slice(mid, rows.stop), tokens[n // 2:])])
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step failed unexpectedly: every query waiting on the engine gets the error."""
+        for w in self.waiting:
+            if not w.future.done():
+                w.future.set_exception(error)
+        self.waiting.clear()
+        for _, future in self.decodes.values():
+            if not future.done():
+                future.set_exception(error)
+        self.decodes.clear()
+
+    def _report(self, kind: str, batch: int, new: int, cached: int, started: float) -> None:
+        if self.on_step is not None:
+            self.on_step(StepInfo(kind, batch, new, cached, time.perf_counter() - started))

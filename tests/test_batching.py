@@ -1,0 +1,176 @@
+"""Concurrent queries share batches: exactness batched vs alone, joins and leaves, failures, OOM splits."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+import lmq_backend as lmq
+
+SRC = '''
+"Shared instructions for every call. {x}[A]" where len(TOKENS(A)) < {n}
+if A.startswith(" "):
+    " then[B]" where B in [" yes", " no", " maybe not"]
+else:
+    " else[B]" where STOPS_AT(B, "e") and len(TOKENS(B)) < 4
+'''.replace("{n}", "5")
+
+
+def inputs(i: int) -> dict:
+    return {"x": f"item {i} " * (i % 4) + ("é" if i % 3 == 0 else "")}
+
+
+async def reference(make_backend, kind, items):
+    q = lmq.Query(SRC, model=make_backend(kind, cache_budget=0))
+    return [(await q.run(inputs(i))).variables for i in items]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("seed", range(3))
+async def test_batched_output_identical_to_alone_with_random_arrivals(make_backend, kind, seed):
+    rng = random.Random(seed)
+    items = list(range(10))
+    expected = await reference(make_backend, kind, items)
+    backend = make_backend(kind, cache_budget=rng.choice(["64MB", 60_000]))
+    steps = []
+    backend.on_step(steps.append)
+    q = lmq.Query(SRC, model=backend)
+
+    async def call(i):
+        for _ in range(rng.randint(0, 12)):
+            await asyncio.sleep(0)
+        return (await q.run(inputs(i))).variables
+
+    assert await asyncio.gather(*(call(i) for i in items)) == expected
+    assert max(s.batch_size for s in steps if s.kind == "decode") > 1
+    assert max(s.batch_size for s in steps if s.kind == "prefill") > 1
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    backend.trie.check()
+
+
+async def test_sample_n_runs_as_rows_sharing_the_prefix(make_backend):
+    backend = make_backend("llama")
+    steps = []
+    backend.on_step(steps.append)
+    q = lmq.compile('sample(n=4, seed=3)\n    "A long shared prompt for sampling, repeated.[X]" where len(TOKENS(X)) < 6',
+                    model=backend)
+    results = await q()
+    assert len(results) == 4
+    decodes = [s for s in steps if s.kind == "decode"]
+    assert decodes and max(s.batch_size for s in decodes) == 4
+    # The prompt is computed once: three of the four rows wait for the trie and then reuse it.
+    prompt = len(backend.vocab.encode("A long shared prompt for sampling, repeated."))
+    assert backend.stats().tokens_prefilled < 2 * prompt
+    again = await q()
+    assert [r.variables for r in again] == [r.variables for r in results]
+
+
+async def test_shared_new_prefix_is_prefilled_once(make_backend):
+    backend = make_backend("llama")
+    shots = "Example: the quick brown fox jumps over the lazy dog.\n" * 6
+    q = lmq.compile('"{shots}Q: {x}[A]" where len(TOKENS(A)) < 3', model=backend)
+    await asyncio.gather(*(q(shots=shots, x=str(i)) for i in range(6)))
+    s = backend.stats()
+    assert s.tokens_prefilled < len(backend.vocab.encode(shots)) * 1.5
+    assert s.tokens_reused > 0
+
+
+async def test_failing_and_cancelled_queries_leave_the_batch(make_backend):
+    backend = make_backend("llama")
+    items = list(range(6))
+    expected = await reference(make_backend, "llama", items)
+    q = lmq.Query(SRC, model=backend)
+    bad = lmq.compile('"Shared instructions for every call.[A]" where len(TOKENS(A)) < 3\n"{1/0}[B]"',
+                      model=backend)
+    slow = lmq.compile('"Shared instructions for every call, long text:[A]" where len(TOKENS(A)) < 200',
+                       model=backend)
+    slow_task = asyncio.ensure_future(slow())
+    good = [asyncio.ensure_future(q.run(inputs(i))) for i in items]
+    bad_task = asyncio.ensure_future(bad())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    slow_task.cancel()
+    results = await asyncio.gather(*good)
+    assert [r.variables for r in results] == expected
+    with pytest.raises(lmq.LMQRuntimeError):
+        await bad_task
+    with pytest.raises(asyncio.CancelledError):
+        await slow_task
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+
+
+async def test_out_of_memory_splits_the_batch(make_backend, monkeypatch):
+    backend = make_backend("llama")
+    items = list(range(8))
+    expected = await reference(make_backend, "llama", items)
+    runner = backend.runner
+    prefill, decode = runner.prefill, runner.decode
+    splits = []
+
+    def small_prefill(pool, rows):
+        if len(rows) > 2:
+            splits.append(len(rows))
+            raise torch.OutOfMemoryError("simulated: batch too large")
+        return prefill(pool, rows)
+
+    def small_decode(pool, rows, tokens):
+        if len(tokens) > 3:
+            splits.append(len(tokens))
+            raise torch.OutOfMemoryError("simulated: batch too large")
+        return decode(pool, rows, tokens)
+
+    monkeypatch.setattr(runner, "prefill", small_prefill)
+    monkeypatch.setattr(runner, "decode", small_decode)
+    q = lmq.Query(SRC, model=backend)
+    results = await asyncio.gather(*(q.run(inputs(i)) for i in items))
+    assert [r.variables for r in results] == expected
+    assert splits
+    assert backend.trie.pinned_nodes() == 0
+
+
+async def test_map_keeps_input_order_with_bounded_concurrency(make_backend):
+    backend = make_backend("llama")
+    steps = []
+    backend.on_step(steps.append)
+    q = lmq.Query(SRC, model=backend)
+    items = list(range(9))
+    results = await q.map([inputs(i) for i in items], concurrency=3, progress=True)
+    assert [r.variables for r in results] == await reference(make_backend, "llama", items)
+    assert max(s.batch_size for s in steps) <= 3
+
+
+async def test_soak_with_cancellations_and_invalid_queries(make_backend):
+    backend = make_backend("llama", cache_budget=200_000)
+    rng = random.Random(7)
+    items = list(range(200))
+    expected = dict(zip(items, await reference(make_backend, "llama", list(range(12)))
+                        + [None] * 188))
+    q = lmq.Query(SRC, model=backend)
+    invalid = lmq.compile('"Shared instructions.[A]" where A in options', model=backend)
+
+    async def one(i):
+        for _ in range(rng.randint(0, 30)):
+            await asyncio.sleep(0)
+        if i % 17 == 5:
+            return await invalid(options=[])  # an empty choice: fails at run time
+        return (await q.run(inputs(i % 12))).variables
+
+    tasks = [asyncio.ensure_future(one(i)) for i in items]
+    cancelled = set(rng.sample(items, 30))
+    for _ in range(40):
+        await asyncio.sleep(0)
+        for i in list(cancelled):
+            if rng.random() < 0.1:
+                tasks[i].cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    for i, r in zip(items, done):
+        if i % 17 == 5 and not isinstance(r, asyncio.CancelledError):
+            assert isinstance(r, lmq.LMQError)
+        elif not isinstance(r, asyncio.CancelledError):
+            assert r == expected[i % 12], i
+    assert sum(isinstance(r, dict) for r in done) > 100
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    assert backend.trie.bytes_in_use <= 200_000
+    backend.trie.check()

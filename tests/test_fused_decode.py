@@ -1,0 +1,286 @@
+"""The fused decode step (`lmq_backend.engine.fused_decode`) against the Hugging Face forward.
+
+CPU (float32, eager, torch fallbacks + the reference attention): tiny random Llama / Qwen2 / Qwen3 models,
+a left-padded batch of rows of different lengths prefilled by HF into a static pool, several steps in a
+row; logits and the K/V written into the pool must match HF's padded-batch forward.
+
+GPU (skipped without CUDA; run with TRITON_INTERPRET=0): bf16 logits against HF, float32 greedy tokens
+identical to HF over 32 steps on a Llama-3.2-1B-shaped model, graphs on vs off bitwise identical.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lmq_backend.engine import compat
+from lmq_backend.engine.fused_decode import FusedDecoder, bucket_for, supports
+
+HAS_CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+def tiny_llama(seed=0, rope_scaling=False, **kw):
+    torch.manual_seed(seed)
+    extra = {}
+    if rope_scaling:
+        extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False, **extra, **kw)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random, non-zero q/k/v biases
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    return model
+
+
+def tiny_qwen3(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def make_pool(model, batch, capacity, fill=float("nan")):
+    layers, heads, head_dim = compat.kv_shape(model.config)
+    p = next(model.parameters())
+    return torch.full((layers, 2, batch, heads, capacity, head_dim), fill, dtype=p.dtype, device=p.device)
+
+
+@torch.inference_mode()
+def prefill_into_pool(model, prompts, pool, end):
+    """Per-row HF prefills, K/V copied right-aligned so every row ends at column `end`.
+    Returns (start int32 [B], last-position logits [B, V])."""
+    dev = pool.device
+    last = []
+    for b, ids in enumerate(prompts):
+        n = len(ids)
+        logits, cache = compat.forward(model, torch.tensor([ids], device=dev), torch.ones(1, n, dtype=torch.long,
+                                       device=dev), torch.arange(n, device=dev)[None], compat.make_cache(None))
+        for l, (k, v) in enumerate(compat.cache_layers(cache)):
+            pool[l, 0, b, :, end - n:end] = k[0]
+            pool[l, 1, b, :, end - n:end] = v[0]
+        last.append(logits[0, -1])
+    start = torch.tensor([end - len(p) for p in prompts], dtype=torch.int32, device=dev)
+    return start, torch.stack(last)
+
+
+class HFPadded:
+    """HF's own decode of the same left-padded batch: a DynamicCache built once from the pool's columns
+    [0, end) (padding zeroed) that HF then grows itself, and the padded attention mask."""
+
+    def __init__(self, model, pool, start, end):
+        B = start.shape[0]
+        self.model = model
+        layers = [(pool[l, 0, :B, :, :end].nan_to_num(0.0).clone(), pool[l, 1, :B, :, :end].nan_to_num(0.0).clone())
+                  for l in range(pool.shape[0])]
+        self.cache = compat.make_cache(layers)
+        cols = torch.arange(end, device=pool.device)
+        self.mask = (cols[None] >= start.long()[:, None]).long()
+
+    @torch.inference_mode()
+    def step(self, tokens, positions):
+        B = tokens.shape[0]
+        self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.long, device=self.mask.device)], dim=1)
+        logits, self.cache = compat.forward(self.model, tokens[:, None], self.mask, positions[:, None], self.cache)
+        return logits[:, -1]
+
+    def new_kv(self, layer):
+        k, v = compat.cache_layers(self.cache)[layer]
+        return k[:, :, -1], v[:, :, -1]
+
+
+def run_compare(model, prompts, steps, *, capacity=48, max_batch=4, use_graphs=False, atol=1e-4,
+                kv_atol=1e-5, greedy=False):
+    """Prefill, then `steps` fused steps vs HF; returns (max logit error, tokens fused, tokens HF)."""
+    torch.manual_seed(1)
+    B = len(prompts)
+    dev = next(model.parameters()).device
+    pool = make_pool(model, max_batch, capacity)
+    end = max(len(p) for p in prompts) + 3
+    start, last = prefill_into_pool(model, prompts, pool, end)
+    before_pad_rows = pool[:, :, B:].clone()
+    hf = HFPadded(model, pool, start, end)
+    dec = FusedDecoder(model, pool, max_batch=max_batch, use_graphs=use_graphs)
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    tok_f = tok_h = last.argmax(-1)
+    worst = 0.0
+    seq_f, seq_h = [], []
+    for i in range(steps):
+        if not greedy:
+            tok_f = tok_h = torch.randint(0, model.config.vocab_size, (B,), device=dev)
+        pos = lengths + i
+        ref = hf.step(tok_h, pos).float()
+        got = dec.step(tok_f, pos, start, end + i).float()
+        if not greedy:
+            err = (got - ref).abs().max().item()
+            worst = max(worst, err)
+            assert err <= atol, f"step {i}: logits differ by {err}"
+            for l in range(pool.shape[0]):
+                k, v = hf.new_kv(l)
+                torch.testing.assert_close(pool[l, 0, :B, :, end + i].float(), k.float(), atol=kv_atol, rtol=0)
+                torch.testing.assert_close(pool[l, 1, :B, :, end + i].float(), v.float(), atol=kv_atol, rtol=0)
+        else:
+            tok_f, tok_h = got.argmax(-1), ref.argmax(-1)
+            seq_f.append(tok_f.tolist())
+            seq_h.append(tok_h.tolist())
+    # rows past the batch (padding of the bucket) were never written
+    assert torch.equal(pool[:, :, B:].nan_to_num(7.0), before_pad_rows.nan_to_num(7.0))
+    return worst, seq_f, seq_h
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 11, 4], [8, 1, 99], [42] * 12]
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+def test_supports():
+    assert supports(tiny_llama(), require_cuda=False)
+    assert not supports(tiny_llama())  # on the CPU
+    assert supports(tiny_qwen2(), require_cuda=False)
+    assert supports(tiny_qwen3(), require_cuda=False)
+    assert supports(tiny_llama(rope_scaling=True), require_cuda=False)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2))
+    assert not supports(gpt2, require_cuda=False)
+    assert not supports(tiny_llama(hidden_act="gelu"), require_cuda=False)
+    assert not supports(tiny_llama(mlp_bias=True), require_cuda=False)
+    with pytest.raises(ValueError):
+        FusedDecoder(gpt2, torch.zeros(1, 2, 1, 2, 8, 16), max_batch=1)
+
+
+def test_bucket_for():
+    assert [bucket_for(n, 64) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_for(9, 12) == 12
+
+
+@pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_llama(rope_scaling=True), tiny_qwen2, tiny_qwen3],
+                         ids=["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_cpu_matches_hf(make):
+    worst, _, _ = run_compare(make(), PROMPTS, steps=5)
+    assert worst < 1e-4
+
+
+def test_cpu_single_row_and_full_bucket():
+    model = tiny_llama(seed=3)
+    run_compare(model, PROMPTS[:1], steps=3, max_batch=1)
+    run_compare(model, PROMPTS + [[3, 3, 3, 3]], steps=3, max_batch=4)
+
+
+def test_cpu_greedy_matches_hf():
+    _, f, h = run_compare(tiny_llama(seed=2), PROMPTS, steps=10, greedy=True)
+    assert f == h
+
+
+def test_cpu_strided_pool_view():
+    """The decoder works on a pool whose batch dim is a slice of a larger one (non-contiguous)."""
+    model = tiny_llama(seed=4)
+    big = make_pool(model, 6, 40)
+    pool = big[:, :, :4]
+    start, last = prefill_into_pool(model, PROMPTS, pool, 20)
+    hf = HFPadded(model, pool, start, 20)
+    dec = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
+    tok = last.argmax(-1)
+    pos = torch.tensor([len(p) for p in PROMPTS])
+    torch.testing.assert_close(dec.step(tok, pos, start, 20).float(), hf.step(tok, pos).float(), atol=1e-4, rtol=0)
+    assert torch.isnan(big[:, :, 4:]).all()
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+def llama_1b_shaped(layers=16, dtype=torch.bfloat16, vocab=128256):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                      tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def _prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@cuda_only
+def test_cuda_bf16_logits_close_to_hf():
+    """bf16 fused vs bf16 HF, both measured against the float32 HF forward of the same weights: the fused
+    step's error must be within 1.5x HF bf16's own error (+ 0.01)."""
+    model = llama_1b_shaped(layers=4, dtype=torch.float32)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    prompts = _prompts([300, 37, 180], model.config.vocab_size)
+    cap, end = 512, 310
+    pool32, pool16 = make_pool(model, 4, cap), make_pool(model16, 4, cap)
+    start, _ = prefill_into_pool(model, prompts, pool32, end)
+    # the bf16 pool gets the float32 prefill rounded, so all three decode from the same K/V
+    pool16.copy_(pool32.to(torch.bfloat16))
+    hf32, hf16 = HFPadded(model, pool32, start, end), HFPadded(model16, pool16, start, end)
+    dec = FusedDecoder(model16, pool16, max_batch=4, use_graphs=True)
+    pos = torch.tensor([len(p) for p in prompts], device="cuda")
+    errs_hf, errs_f = [], []
+    for i in range(4):
+        tok = torch.randint(0, 1000, (3,), device="cuda")
+        ref = hf32.step(tok, pos + i).float()
+        e_hf = (hf16.step(tok, pos + i).float() - ref).abs().max().item()
+        e_f = (dec.step(tok, pos + i, start, end + i).float() - ref).abs().max().item()
+        errs_hf.append(e_hf)
+        errs_f.append(e_f)
+    print(f"bf16 max |logit - fp32 HF|: HF {max(errs_hf):.4f}, fused {max(errs_f):.4f}, "
+          f"logit scale {ref.abs().max().item():.3f}")
+    assert max(errs_f) <= 1.5 * max(errs_hf) + 0.01
+
+
+@cuda_only
+def test_cuda_fp32_greedy_identical_to_hf():
+    model = llama_1b_shaped(layers=16, dtype=torch.float32)
+    prompts = _prompts([200, 61, 130], model.config.vocab_size, seed=1)
+    _, f, h = run_compare(model, prompts, steps=32, capacity=256, max_batch=4, use_graphs=True, greedy=True)
+    assert f == h
+
+
+@cuda_only
+def test_cuda_graphs_match_eager_bitwise():
+    model = llama_1b_shaped(layers=4, dtype=torch.bfloat16)
+    prompts = _prompts([100, 40, 77, 5, 90], model.config.vocab_size, seed=2)
+    pool = make_pool(model, 8, 256, fill=0.0)
+    start, last = prefill_into_pool(model, prompts, pool, 120)
+    pool2 = pool.clone()
+    eager = FusedDecoder(model, pool, max_batch=8, use_graphs=False)
+    graph = FusedDecoder(model, pool2, max_batch=8, use_graphs=True)
+    pos = torch.tensor([len(p) for p in prompts], device="cuda")
+    tok = last.argmax(-1)
+    for i, B in enumerate([5, 5, 1, 3, 5, 2]):
+        a = eager.step(tok[:B], pos[:B] + i, start[:B], 120 + i).clone()
+        b = graph.step(tok[:B], pos[:B] + i, start[:B], 120 + i).clone()
+        assert torch.equal(a, b), f"step {i} (B={B}) differs: {(a.float() - b.float()).abs().max().item()}"
+    assert torch.equal(pool, pool2)
