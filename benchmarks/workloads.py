@@ -52,7 +52,16 @@ W2_SYSTEM = ("You are a friendly travel assistant for a small agency in Lisbon. 
              "practical: name the neighbourhood, the best time of day to go, and one tip that saves time. "
              "If a question is unclear, make a sensible assumption and say what you assumed. Never invent "
              "prices or opening hours; say that they should check them on the day instead. Be warm, concise "
-             "and specific, and do not repeat advice you have already given in this conversation.")
+             "and specific, and do not repeat advice you have already given in this conversation.\n\n"
+             "About the family: they arrive on a Saturday morning flight and stay in a rented flat in Graça, "
+             "near the tram 28 stop. The younger child gets tired after long walks and loves trams, boats and "
+             "anything with animals; the older one is interested in history, castles and science. One parent "
+             "does not eat meat, so always mention a vegetarian option when you suggest food. They have a "
+             "Navegante card for buses, trams, the metro and suburban trains, and they are happy to take the "
+             "ferry across the river. They would like one day trip outside the city, probably to Sintra or "
+             "Cascais, and one slow day with no plans at all. They are early risers and like to be back at the "
+             "flat by nine in the evening. When you mention a place, give its neighbourhood or town, how to get "
+             "there from Graça by public transport, and whether it suits children of their ages.")
 W2_TURNS = ["Where should we go on our first morning?",
             "And for lunch near there?",
             "Is there a beach we can reach by train?",
@@ -69,3 +78,20 @@ W2_QUERY = '''argmax
         "<|im_end|>\\n"
 from "default"
 '''
+
+
+def random_config(shape: str):
+    """Configs of the random-weight models used on the GPU (speed does not depend on weight values)."""
+    from transformers import LlamaConfig
+
+    if shape == "smollm2-135m":
+        return LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                           rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
+    if shape == "llama-1b":
+        return LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                           rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                           rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    raise ValueError(f"unknown shape {shape!r}: smollm2-135m or llama-1b")

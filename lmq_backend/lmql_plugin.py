@@ -163,10 +163,12 @@ class _BiasSampler(Sampler):
         self.inner, self.bias, self.allowed, self.batch, self.row = inner, bias, allowed, batch, row
 
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        mask = self.allowed.to(logits.device)
+        if self.bias.device != logits.device:
+            self.bias, self.allowed = self.bias.to(logits.device), self.allowed.to(logits.device)
+        mask = self.allowed
         if allowed is not None:  # the engine narrows to value tokens while the hole cannot end
             mask = mask & allowed.to(logits.device)
-        biased = (logits.float() + self.bias.to(logits.device)).masked_fill(~mask, float("-inf"))
+        biased = (logits.float() + self.bias).masked_fill(~mask, float("-inf"))
         token = self.inner.select(biased, None)
         self.batch.push(self.row, token, torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32))
         return token
@@ -244,6 +246,7 @@ class LMQModel(LMTPModel):
         self.model_identifier = model_identifier
         spec = model_identifier.split(":", 1)[1] if model_identifier.startswith("lmq:") else model_identifier
         self.max_batch_size = int(kwargs.pop("batch_size", 32))
+        self.mask_chunk = int(kwargs.pop("mask_chunk", 1))  # tokens per call when every row has an allow-list
         kwargs.pop("silent", None)
         backend_args = {k: kwargs.pop(k) for k in ("device", "dtype", "cache_budget") if k in kwargs}
         if "torch_dtype" in kwargs:  # LMQL renames dtype= to torch_dtype=
@@ -273,33 +276,36 @@ class LMQModel(LMTPModel):
         top_p = float(kwargs.pop("top_p", 1.0))
         if kwargs:
             warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
+        masks = [self._mask(b) for b in (bias_tensor if bias_tensor is not None else [None] * len(input_ids))]
+        if all(int(allowed.sum()) < self.backend.vocab.size // 2 for _, allowed, _ in masks):
+            # LMQL keys the tokens of a call by the allow-list of its first step; the next step has
+            # another (a choice's next prefix, EOS), so tokens generated under this one go unused
+            max_new_tokens = min(max_new_tokens, self.mask_chunk)
         batch = _Batch(input_ids, streamer, self._eos, self.backend.vocab.special, max_new_tokens)
-        biases = list(bias_tensor) if bias_tensor is not None else [None] * len(input_ids)
-        _run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), bias, temperature, top_p, max_new_tokens)
-                      for i, (ids, mask, bias) in enumerate(zip(input_ids, attention_mask, biases))]))
+        inner = (lambda: Greedy()) if temperature == 0 else (lambda: Sampling(temperature, top_p))
+        _run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), m, inner(), max_new_tokens)
+                      for i, (ids, mask, m) in enumerate(zip(input_ids, attention_mask, masks))]))
         return batch.result()
 
     def _mask(self, bias) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """LMQL's logit bias (a {token: value} dict, or a dense row) as (additive bias, allowed, can_end).
-        LMQL masks with +100 on the allowed tokens or -100 on the disallowed ones."""
-        size, vocab = self.backend.vocab.size, self.backend.vocab
-        dense = torch.zeros(size, dtype=torch.float32)
+        """LMQL's logit bias of a row (a {token: value} dict, or a dense row) as (additive bias, allowed,
+        can_end). LMQL masks with +100 on an allow-list or -100 on a deny-list."""
+        vocab = self.backend.vocab
+        dense = torch.zeros(vocab.size, dtype=torch.float32)
         if isinstance(bias, dict):
             if bias:
                 dense[torch.tensor([int(k) for k in bias])] = torch.tensor([float(v) for v in bias.values()])
         elif bias is not None:
-            b = torch.as_tensor(np.asarray(bias, dtype=np.float32))
-            dense[: min(size, len(b))] = b[:size]
+            b = torch.as_tensor(np.asarray(bias, dtype=np.float32))[: vocab.size]
+            dense[: len(b)] = b
         allowed = dense >= dense.max() - MASK_RANGE
-        can_end = bool(allowed.numpy()[vocab.special].any())
-        return dense, allowed, can_end
+        return dense, allowed, bool(allowed.numpy()[vocab.special].any())
 
-    async def _generate_row(self, batch: _Batch, row: int, ids: list[int], bias, temperature: float,
-                            top_p: float, max_new_tokens: int) -> None:
+    async def _generate_row(self, batch: _Batch, row: int, ids: list[int], mask, inner: Sampler,
+                            max_new_tokens: int) -> None:
         backend = self.backend
-        dense, allowed, can_end = self._mask(bias)
+        dense, allowed, can_end = mask
         state = _BiasState(allowed.numpy(), can_end, max_new_tokens, backend.vocab)
-        inner = Greedy() if temperature == 0 else Sampling(temperature, top_p)
         seq = backend.sequence(template="lmql", max_len=1 << 30)
         seq.ids = ids
         try:

@@ -56,7 +56,7 @@ class HFBackend(Backend):
     model and tokenizer you already hold."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
-                 cache_budget: int | str = "2GB", name: str | None = None):
+                 cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 64):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if str(path) == "default":
@@ -71,21 +71,25 @@ class HFBackend(Backend):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
-        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path))
+        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch)
 
     @classmethod
-    def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model") -> "HFBackend":
+    def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
+                   max_batch: int = 64) -> "HFBackend":
         backend = cls.__new__(cls)
-        backend._setup(model.eval(), tokenizer, cache_budget, name)
+        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch)
         return backend
 
-    def _setup(self, model, tokenizer, cache_budget, name: str) -> None:
+    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 64) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, max_batch=max_batch)
         self.scheduler = Scheduler(self.runner)
         self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
         self._extendable = ~self._vocab.special
+        # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
+        self._pickable = np.arange(self._vocab.size) < len(tokenizer)
+        self._pick_all = None if self._pickable.all() else torch.from_numpy(self._pickable)
         self.trie = PrefixTrie(parse_bytes(cache_budget))
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
@@ -129,7 +133,7 @@ class HFBackend(Backend):
                 if logits is None:  # feed the last picked token only now that another pick is needed
                     logits = await self.scheduler.decode(row, generated[-1])
                     self._count_decoded(seq)
-                token = sampler.select(logits, None if can_end else torch.from_numpy(extendable))
+                token = sampler.select(logits, self._pick_all if can_end else torch.from_numpy(extendable))
                 if can_end and not extendable[token]:
                     break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
                 generated.append(token)

@@ -87,6 +87,26 @@ def pool_cache(pool, rows: slice, first: int, length: int, write: torch.Tensor |
     return Cache(layers=[_PoolLayer(pool, i, rows, first, length, write) for i in range(pool.data.shape[0])])
 
 
+POOL_ATTENTION = "lmq_grouped"
+
+
+def use_grouped_attention(model) -> bool:
+    """Route the model's attention through `attention.grouped_attention` (with sdpa's boolean masks).
+    Returns False, leaving the model as it is, where this transformers version or model cannot."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from .attention import grouped_attention
+
+    AttentionInterface.register(POOL_ATTENTION, grouped_attention)
+    AttentionMaskInterface.register(POOL_ATTENTION, sdpa_mask)
+    try:
+        model.set_attn_implementation(POOL_ATTENTION)
+    except (ValueError, AttributeError, KeyError):
+        return False
+    return True
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder config, across architectures' attribute names."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -1,7 +1,7 @@
 """Fused single-token decode step for the Llama family (issue #5), gpt-fast style, CUDA-graph friendly.
 
 One call of `FusedDecoder.step` runs one new token per row of a left-padded batch whose K/V live in the
-static KV pool (see `kv_buffer.py`, `lmq_kernels.decode_attention`):
+static KV pool (see `kv_pool.py`, `lmq_kernels.decode_attention`):
 
     pool: [L, 2, B_max, H_kv, S_max, D]      rows are pool[:, :, :B]; row b's valid columns [start[b], end)
 

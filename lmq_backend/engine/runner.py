@@ -24,15 +24,36 @@ class PrefillRow:
 
 
 class ModelRunner:
-    def __init__(self, model):
+    """Runs the model's forwards for the scheduler. On CUDA, decode steps of Llama-family models go through
+    the fused, CUDA-graph captured `FusedDecoder` over a pool preallocated for `max_batch` rows."""
+
+    def __init__(self, model, max_batch: int = 64, fused: bool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().out_features
         self.kv_shape = compat.kv_shape(model.config)
+        self.max_batch = max_batch
+        if fused is None:
+            fused = self.device.type == "cuda" and _fused_module().supports(model)
+        self.fused = fused
+        self._decoder = None  # (FusedDecoder, the pool tensor it was built on)
+        if self.device.type == "cpu":
+            compat.use_grouped_attention(model)
 
     def new_pool(self) -> KVPool:
+        if self.fused:  # static: CUDA graphs capture the pool's address
+            return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device, rows=self.max_batch, columns=4096)
         return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device)
+
+    def _fused_decode(self, pool: KVPool, tokens: list[int]) -> torch.Tensor:
+        if self._decoder is None or self._decoder[1] is not pool.data:  # the pool was regrown
+            self._decoder = (_fused_module().FusedDecoder(self.model, pool.data, self.max_batch), pool.data)
+        starts = pool.start[: pool.rows]
+        return self._decoder[0].step(
+            torch.tensor(tokens, device=self.device),
+            torch.tensor([pool.end - s for s in starts], device=self.device),
+            torch.tensor(starts, dtype=torch.int32, device=self.device), pool.end).float()
 
     @torch.no_grad()
     def prefill(self, pool: KVPool, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[int]]:
@@ -69,6 +90,8 @@ class ModelRunner:
     def decode(self, pool: KVPool, rows: slice, tokens: list[int]) -> torch.Tensor:
         """One token for each row of `rows` (a slot range), written at column `end`. The caller advances
         `pool.end` once every row of the pool has been stepped. Returns logits [B, V] float32."""
+        if self.fused and rows.start == 0 and rows.stop == pool.rows <= self.max_batch:
+            return self._fused_decode(pool, tokens)
         starts = pool.start[rows]
         first = min(starts)
         b, length = len(starts), pool.end - first
@@ -107,3 +130,9 @@ class ModelRunner:
             targets = torch.tensor(o[1:], device=logp.device)
             scores[i] += logp[r, torch.arange(len(o) - 1, device=logp.device), targets].tolist()
         return scores
+
+
+def _fused_module():
+    from . import fused_decode  # imports triton: only where a GPU can use it
+
+    return fused_decode

@@ -216,6 +216,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         started = time.perf_counter()
         tokens = [self.decodes[id(row)][0] for row in self.rows]
+        self.pool.make_room(self.pool.rows, 0, extra=1)
         logits = self._decode(slice(0, len(self.rows)), tokens)
         self.pool.end += 1
         self._report("decode", len(tokens), len(tokens), sum(r.length for r in self.rows), started)

@@ -1,0 +1,152 @@
+"""Batching benchmark (issue: async batched queries). Same workloads as bench_prefix_cache.py, concurrent:
+
+  W1: 20 concurrent few-shot classification calls (asyncio.gather): amortized time per call, against the
+      same 20 calls one after another through lmq, and HF `generate` on one left-padded batch of the 20 prompts.
+  W2: 8 concurrent 6-turn chats: total time, against the 8 chats one after another through lmq, and HF
+      `generate` on a left-padded batch of the 8 histories each turn.
+
+    python benchmarks/bench_batching.py                       # CPU, the default model (SmolLM2-135M)
+    python benchmarks/bench_batching.py --random llama-1b --device cuda --dtype bfloat16   # GPU, random weights
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads as W  # noqa: E402
+
+import lmq_backend as lmq  # noqa: E402
+
+CHATS = 8
+
+
+def backend_for(args) -> "lmq.HFBackend":
+    if args.random is None:
+        return lmq.HFBackend(args.model, device=args.device, dtype=args.dtype, cache_budget="8GB")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(W.random_config(args.random), dtype=getattr(torch, args.dtype))
+    return lmq.HFBackend.from_model(model.to(args.device), tokenizer, cache_budget="16GB", name=args.random)
+
+
+def hf_batch_generate(backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`model.generate` on one left-padded batch (the baseline a user would write)."""
+    model = backend.model
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def timed(coro_factory) -> float:
+    t = time.perf_counter()
+    asyncio.run(coro_factory())
+    return time.perf_counter() - t
+
+
+def w1(backend, calls: int) -> None:
+    shots = W.w1_shots()
+    reviews, other_reviews = W.w1_reviews(calls, seed=1), W.w1_reviews(calls, seed=2)  # each run prefills its own
+    q = lmq.Query(W.W1_QUERY, model=backend)
+    asyncio.run(q.run({"shots": shots, "review": "warm-up"}))
+
+    async def sequential():
+        for r in other_reviews:
+            await q.run({"shots": shots, "review": r})
+
+    async def concurrent():
+        return await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in reviews))
+
+    t_seq = timed(sequential)
+    asyncio.run(asyncio.wait_for(asyncio.gather(*(q.run({"shots": shots, "review": r + " (warm-up)"})
+                                                  for r in reviews)), None))  # batch sizes seen once (CUDA graphs)
+    steps = []
+    backend.on_step(steps.append)
+    t_con = timed(concurrent)
+    backend.on_step(None)
+    encode = backend.vocab.encode
+    prompts = [encode(shots + "Review: " + r + "\nSentiment:") for r in reviews]
+    t = time.perf_counter()
+    hf_batch_generate(backend, prompts, 1)
+    t_hf = time.perf_counter() - t
+    print(f"\nW1, {calls} calls, ~{len(prompts[0])} prompt tokens each (seconds per call, amortized)")
+    print(f"  lmq concurrent        {t_con / calls:8.4f}")
+    print(f"  lmq one after another {t_seq / calls:8.4f}   ({t_seq / t_con:.1f}x slower)")
+    print(f"  HF generate, batch    {t_hf / calls:8.4f}   ({t_hf / t_con:.1f}x slower)")
+    print(f"  lmq steps: {[(s.kind, s.batch_size, s.new_tokens) for s in steps]}")
+
+
+def w2(backend) -> None:
+    q = lmq.Query(W.W2_QUERY, model=backend)
+    chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (traveller {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
+    other_chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (visitor {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
+    asyncio.run(q.run({"system": W.W2_SYSTEM, "turns": ["warm-up"]}))
+    asyncio.run(asyncio.wait_for(asyncio.gather(*(q.run({"system": W.W2_SYSTEM, "turns": [f"warm-up {c}"]})
+                                                  for c in range(CHATS))), None))  # batch sizes seen once
+
+    async def sequential():
+        for c in other_chats:
+            await q.run(c)
+
+    async def concurrent():
+        await asyncio.gather(*(q.run(c) for c in chats))
+
+    t_seq = timed(sequential)
+    steps = []
+    backend.on_step(steps.append)
+    t_con = timed(concurrent)
+    backend.on_step(None)
+    encode = backend.vocab.encode
+    histories = [encode("<|im_start|>system\n" + W.W2_SYSTEM + "<|im_end|>\n") for _ in chats]
+    t = time.perf_counter()
+    for turn in range(len(W.W2_TURNS)):
+        for c, h in zip(chats, histories):
+            h += encode("<|im_start|>user\n" + c["turns"][turn] + "<|im_end|>\n<|im_start|>assistant\n")
+        outs = hf_batch_generate(backend, histories, W.W2_ANSWER_TOKENS)
+        for h, out in zip(histories, outs):
+            h += out + encode("<|im_end|>\n")
+    t_hf = time.perf_counter() - t
+    decodes = [s.batch_size for s in steps if s.kind == "decode"]
+    print(f"\nW2, {CHATS} chats x {len(W.W2_TURNS)} turns (total seconds)")
+    print(f"  lmq concurrent        {t_con:8.3f}")
+    print(f"  lmq one after another {t_seq:8.3f}   (concurrent is {t_seq / t_con:.1f}x the throughput)")
+    print(f"  HF generate, batch    {t_hf:8.3f}   ({t_hf / t_con:.1f}x slower)")
+    print(f"  lmq decode steps: {len(decodes)}, mean batch {sum(decodes) / max(len(decodes), 1):.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--random", default=None, help="a random-weight model shape instead: smollm2-135m or llama-1b")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --random (default: the default model's)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    if args.random and args.tokenizer is None:
+        from lmq_backend.backend.default_model import default_model_dir
+
+        args.tokenizer = str(default_model_dir())
+    backend = backend_for(args)
+    print(f"torch {torch.__version__}, {args.device}, {args.random or args.model}, {args.dtype}, "
+          f"fused decode: {backend.runner.fused}")
+    w1(backend, args.calls)
+    w2(backend)
+
+
+if __name__ == "__main__":
+    main()
