@@ -72,8 +72,10 @@ def w1(backend, calls: int) -> None:
         return await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in reviews))
 
     t_seq = timed(sequential)
-    asyncio.run(asyncio.wait_for(asyncio.gather(*(q.run({"shots": shots, "review": r + " (warm-up)"})
-                                                  for r in reviews)), None))  # batch sizes seen once (CUDA graphs)
+    async def warm_up():  # the batch sizes of the timed run, seen once (CUDA graphs are captured per size)
+        await asyncio.gather(*(q.run({"shots": shots, "review": r + " (warm-up)"}) for r in reviews))
+
+    asyncio.run(warm_up())
     steps = []
     backend.on_step(steps.append)
     t_con = timed(concurrent)
@@ -95,8 +97,10 @@ def w2(backend) -> None:
     chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (traveller {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
     other_chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (visitor {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
     asyncio.run(q.run({"system": W.W2_SYSTEM, "turns": ["warm-up"]}))
-    asyncio.run(asyncio.wait_for(asyncio.gather(*(q.run({"system": W.W2_SYSTEM, "turns": [f"warm-up {c}"]})
-                                                  for c in range(CHATS))), None))  # batch sizes seen once
+    async def warm_up():  # the batch sizes of the timed run, seen once (CUDA graphs are captured per size)
+        await asyncio.gather(*(q.run({"system": W.W2_SYSTEM, "turns": [f"warm-up {c}"]}) for c in range(CHATS)))
+
+    asyncio.run(warm_up())
 
     async def sequential():
         for c in other_chats:

@@ -89,7 +89,7 @@ class HFBackend(Backend):
         self._extendable = ~self._vocab.special
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         self._pickable = np.arange(self._vocab.size) < len(tokenizer)
-        self._pick_all = None if self._pickable.all() else torch.from_numpy(self._pickable)
+        self._pick_all = None if self._pickable.all() else torch.from_numpy(self._pickable).to(self.runner.device)
         self.trie = PrefixTrie(parse_bytes(cache_budget))
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids

@@ -27,16 +27,19 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         attention_mask = attention_mask > -1  # an additive float mask: 0 where allowed
     out = torch.empty(b, hkv, g, t, d, dtype=query.dtype, device=query.device)
     q = query.view(b, hkv, g, t, d)
+    key_t = key.transpose(-1, -2)  # [B, Hkv, D, S]: a view; the matmuls read K/V in place
     step = max(1, SCORE_BYTES // max(1, b * hq * s * 4))
     for lo in range(0, t, step):
         hi = min(t, lo + step)
-        scores = torch.matmul(q[:, :, :, lo:hi], key.transpose(-1, -2)[:, :, None]).float() * scaling
+        n = hi - lo
+        scores = torch.matmul(q[:, :, :, lo:hi].reshape(b, hkv, g * n, d), key_t).float().mul_(scaling)
+        scores = scores.view(b, hkv, g, n, s)
         if attention_mask is not None:
-            allowed = attention_mask[:, :, lo:hi, :][:, :, None]  # [B, 1, 1, t', S]
+            allowed = attention_mask[:, :, lo:hi, :][:, :, None]  # [B, 1, 1, n, S]
         else:
             rows = torch.arange(lo, hi, device=query.device)[:, None] + (s - t)
             allowed = torch.arange(s, device=query.device)[None, :] <= rows
         scores.masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(value.dtype)  # a fully masked (pad) query gives 0
-        out[:, :, :, lo:hi] = torch.matmul(probs, value[:, :, None])
+        out[:, :, :, lo:hi] = torch.matmul(probs.view(b, hkv, g * n, s), value).view(b, hkv, g, n, d)
     return out.view(b, hq, t, d).transpose(1, 2), None

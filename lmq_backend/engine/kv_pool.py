@@ -79,6 +79,10 @@ class KVPool:
             self.data[:, :, slot, :, col:col + s.shape[3]].copy_(s)
             col += s.shape[3]
 
+    def clear(self) -> None:
+        """Drop every row (the tensor stays allocated for the next ones)."""
+        self.rows, self.start, self.end = 0, [], self.headroom
+
     def remove_row(self, slot: int) -> int | None:
         """Free a slot, moving the last row into it to keep slots dense; returns the moved row's old
         slot (its new slot is `slot`), or None."""
@@ -91,7 +95,7 @@ class KVPool:
         self.start.pop()
         self.rows -= 1
         if self.rows == 0:
-            self.end = self.headroom
+            self.clear()
         return moved
 
     def segment(self, slot: int, start: int, end: int) -> torch.Tensor:

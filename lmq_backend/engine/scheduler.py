@@ -131,7 +131,7 @@ class Scheduler:
         self.rows.clear()
         self.decodes.clear()
         self.waiting.clear()
-        self.pool = self.runner.new_pool()
+        self.pool.clear()
 
     async def _run(self) -> None:
         while self.waiting or self.rows:
