@@ -60,7 +60,8 @@ def timed(coro_factory) -> float:
 
 def w1(backend, calls: int) -> None:
     shots = W.w1_shots()
-    reviews, other_reviews = W.w1_reviews(calls, seed=1), W.w1_reviews(calls, seed=2)  # each run prefills its own
+    # Each run prefills reviews of its own: the timed ones, the one-after-another ones and the warm-up ones.
+    reviews, other_reviews, warm_reviews = (W.w1_reviews(calls, seed=s) for s in (1, 2, 3))
     q = lmq.Query(W.W1_QUERY, model=backend)
     asyncio.run(q.run({"shots": shots, "review": "warm-up"}))
 
@@ -73,7 +74,7 @@ def w1(backend, calls: int) -> None:
 
     t_seq = timed(sequential)
     async def warm_up():  # the batch sizes of the timed run, seen once (CUDA graphs are captured per size)
-        await asyncio.gather(*(q.run({"shots": shots, "review": r + " (warm-up)"}) for r in reviews))
+        await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in warm_reviews))
 
     asyncio.run(warm_up())
     steps = []
@@ -98,7 +99,7 @@ def w2(backend) -> None:
     other_chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (visitor {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
     asyncio.run(q.run({"system": W.W2_SYSTEM, "turns": ["warm-up"]}))
     async def warm_up():  # the batch sizes of the timed run, seen once (CUDA graphs are captured per size)
-        await asyncio.gather(*(q.run({"system": W.W2_SYSTEM, "turns": [f"warm-up {c}"]}) for c in range(CHATS)))
+        await asyncio.gather(*(q.run({"system": W.W2_SYSTEM, "turns": [f"Hello {c}!"]}) for c in range(CHATS)))
 
     asyncio.run(warm_up())
 

@@ -159,3 +159,51 @@ def test_cli_reads_stdin_and_reports_errors():
     bad = subprocess.run([sys.executable, "-m", "lmq_backend.cli", "run", "-"], input='"oops[X"\n',
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "LMQSyntaxError" in bad.stderr and "^" in bad.stderr
+
+
+LMQL_DOC_EXAMPLES = {
+    "sentiment overview": ('''
+argmax
+    """Review: We had a great stay. Hiking in the mountains was fabulous and the food is really good.
+Q: What is the underlying sentiment of this review and why?
+A:[ANALYSIS]
+Based on this, the overall sentiment of the message can be considered to be[CLASSIFICATION]"""
+from "default"
+where
+    not "\\n" in ANALYSIS and len(TOKENS(ANALYSIS)) < 30 and
+    CLASSIFICATION in [" positive", " neutral", " negative"]
+''', lambda r: "\n" not in r["ANALYSIS"] and r["CLASSIFICATION"] in (" positive", " neutral", " negative")),
+    "packing list": ('''
+sample(temperature=0.8, seed=3)
+    "A list of things not to forget when going to the sea (not travelling): \\n"
+    "- Sunglasses \\n"
+    for i in range(4):
+        "- [THING] \\n" where THING in set(["Volleyball", "Sunscreen", "Bathing Suite"])
+''', lambda r: r["THING"] in ("Volleyball", "Sunscreen", "Bathing Suite")),
+    "date": ('''
+"Q: It is August 12th, 2020. What date was it 100 days ago? Answer in DD/MM/YYYY.\\n"
+"A: [DATE]" where REGEX(DATE, r"[0-9]{2}/[0-9]{2}/[0-9]{4}")
+''', lambda r: re.fullmatch(r"[0-9]{2}/[0-9]{2}/[0-9]{4}", r["DATE"])),
+    "int": ('''
+"Q: How many legs does a spider have?\\nA: [N]" where INT(N) and len(TOKENS(N)) < 4
+''', lambda r: re.fullmatch(r" ?-?[0-9]+", r["N"])),
+    "distribution": ('''
+argmax
+    "Review: The food was cold and the waiter was rude.\\nQ: Is this review positive or negative?\\nA:[CLS]"
+from "default"
+distribution
+    CLS in [" positive", " negative"]
+''', lambda r: abs(sum(r.distribution.values()) - 1) < 1e-6),
+    "sampling": ('''
+sample(temperature=1.2, n=3, seed=0)
+    "Say 'this is a test':[RESPONSE]" where len(TOKENS(RESPONSE)) < 10
+''', lambda r: isinstance(r["RESPONSE"], str)),
+}
+
+
+@pytest.mark.parametrize("name", list(LMQL_DOC_EXAMPLES))
+async def test_lmql_documentation_examples_run(name, default_backend):
+    source, holds = LMQL_DOC_EXAMPLES[name]
+    result = await lmq.compile(source)()
+    for r in result if isinstance(result, list) else [result]:
+        assert holds(r), (name, r.variables)
