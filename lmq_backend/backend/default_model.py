@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def default_model_dir() -> Path:
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.replace(target) if not target.exists() else None
+    if target.exists():  # another process converted it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        partial.replace(target)
     print("lmq: default model ready.", file=sys.stderr, flush=True)
     return target
