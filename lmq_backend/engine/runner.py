@@ -55,8 +55,19 @@ class ModelRunner:
             torch.tensor([pool.end - s for s in starts], device=self.device),
             torch.tensor(starts, dtype=torch.int32, device=self.device), pool.end).float()
 
-    @torch.no_grad()
     def prefill(self, pool: KVPool, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[int]]:
+        """Add `rows` to the pool and prefill them: rows of similar new lengths share a left-padded forward
+        (so that padding is at most PAD_WASTE of the tokens computed). Returns (logits [B, V], slots)."""
+        logits: list[torch.Tensor | None] = [None] * len(rows)
+        slots: list[int] = [0] * len(rows)
+        for group in _length_groups([len(r.ids) for r in rows]):
+            group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
+            for i, row_logits, slot in zip(group, group_logits, group_slots):
+                logits[i], slots[i] = row_logits, slot
+        return torch.stack(logits), slots
+
+    @torch.no_grad()
+    def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and run their new tokens as one left-padded forward.
 
         Row i's cached K/V go to columns [end - n_i - m_i, end - m_i) and its m_i new tokens to
@@ -130,6 +141,25 @@ class ModelRunner:
             targets = torch.tensor(o[1:], device=logp.device)
             scores[i] += logp[r, torch.arange(len(o) - 1, device=logp.device), targets].tolist()
         return scores
+
+
+PAD_WASTE = 0.3  # a prefill forward may compute at most this share of padding on top of the real tokens
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of rows grouped by new-token count, shortest first, so that a group's padded size
+    (rows x longest) stays within (1 + PAD_WASTE) x its real tokens."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= (1 + PAD_WASTE) * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
 
 
 def _fused_module():

@@ -198,9 +198,11 @@ class Scheduler:
             return
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
-        for w, slot, row_logits in zip(batch, slots, logits):
-            row = Row(slot=slot, length=w.row.cached + len(w.row.ids))
-            self.rows.append(row)
+        rows = [Row(slot=slot, length=w.row.cached + len(w.row.ids)) for w, slot in zip(batch, slots)]
+        self.rows.extend(rows)
+        for row in rows:  # the runner may give the new rows their slots in another order
+            self.rows[row.slot] = row
+        for w, row, row_logits in zip(batch, rows, logits):
             try:
                 w.request.complete(row_logits, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
