@@ -8,8 +8,12 @@ Rows live in slots 0..rows-1 and are left-padded: row r's valid tokens occupy co
 end at `end` too, a decode step writes column `end` of every row and advances it. The pool keeps
 free columns on the left (`headroom`) so that a joining row longer than the others rarely forces a
 shift, and free columns on the right for decode steps; both are restored by `make_room`, which shifts
-or regrows the tensor. Columns outside a row's range hold zeros or stale finite values, never NaN:
-attention masks them, and a masked NaN would still poison the softmax-weighted sum.
+or regrows the tensor.
+
+Invariant: every row's columns from the pool's first valid column (the smallest `start`) to `end` hold
+finite values (its own K/V, zeros or stale K/V), because attention reads that whole range and a masked
+NaN would still poison the softmax-weighted sum. The tensor itself is allocated uninitialised (zeroing
+gigabytes on every regrow costs seconds on a CPU); `add_rows` zeroes what the range newly takes in.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ class KVPool:
         self.shape = (layers, heads, head_dim)
         self.dtype, self.device = dtype, device
         self.headroom = headroom
-        self.data = torch.zeros(layers, 2, rows, heads, columns, head_dim, dtype=dtype, device=device)
+        self.data = torch.empty(layers, 2, rows, heads, columns, head_dim, dtype=dtype, device=device)
         self.rows = 0                 # slots in use: 0..rows-1
         self.start: list[int] = []    # per slot: first valid column
         self.end = headroom           # common end of every row's valid columns
@@ -49,13 +53,15 @@ class KVPool:
             return
         span = self.end - used_from                          # columns holding valid tokens
         new_end = max(span, longest) + self.headroom
-        columns = max(self.column_capacity, new_end + extra + self.headroom)
-        row_capacity = max(self.row_capacity, 2 * self.row_capacity if rows > self.row_capacity else 0, rows)
+        needed = new_end + extra + self.headroom
+        # Grow geometrically: a regrow allocates and zeroes the whole pool, so it must stay rare.
+        columns = max(needed, 5 * self.column_capacity // 4) if needed > self.column_capacity else self.column_capacity
+        row_capacity = max(3 * self.row_capacity // 2, rows) if rows > self.row_capacity else self.row_capacity
         if rows <= self.row_capacity and new_end + extra <= self.column_capacity:
             # Shift the rows inside the same tensor (the pool's address stays: CUDA graphs keep working).
             self.data[:, :, :, :, new_end - span:new_end] = self.data[:, :, :, :, used_from:self.end].clone()
         else:
-            grown = torch.zeros(*self.data.shape[:2], row_capacity, self.shape[1], columns, self.shape[2],
+            grown = torch.empty(*self.data.shape[:2], row_capacity, self.shape[1], columns, self.shape[2],
                                 dtype=self.dtype, device=self.device)
             grown[:, :, : self.rows, :, new_end - span:new_end] = self.data[:, :, : self.rows, :, used_from:self.end]
             self.data = grown
@@ -68,7 +74,14 @@ class KVPool:
     def add_rows(self, lengths: list[int]) -> list[int]:
         """Reserve slots for rows of the given lengths (ending at `end`); returns their slots."""
         slots = list(range(self.rows, self.rows + len(lengths)))
-        self.start.extend(self.end - n for n in lengths)
+        old_first = min(self.start, default=self.end)
+        starts = [self.end - n for n in lengths]
+        first = min(old_first, *starts)
+        if first < old_first and self.rows:  # the range read by attention grows to the left
+            self.data[:, :, : self.rows, :, first:old_first].zero_()
+        for slot, s in zip(slots, starts):
+            self.data[:, :, slot, :, first:s].zero_()
+        self.start.extend(starts)
         self.rows += len(lengths)
         return slots
 
