@@ -28,6 +28,29 @@ def tiny_gpt2(vocab_size: int = 49152, seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config).eval()
 
 
+def llama_style_tokenizer():
+    """A Llama-2-like tokenizer: BPE over `▁`-pieces with <0xNN> byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    merges = []
+    for ch in "▁abcdefghijklmnopqrstuvwxyz,.!0123456789é":
+        vocab.setdefault(ch, len(vocab))
+    for a, b in [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "h"), ("e", "l"), ("el", "l"), ("ell", "o"),
+                 ("▁h", "ello"), ("▁", "w"), ("o", "r"), ("▁w", "or")]:
+        merges.append((a, b))
+        vocab.setdefault(a + b, len(vocab))
+    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    tk = Tokenizer(model)
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 
 

@@ -167,3 +167,31 @@ def test_cache_budget_strings():
     assert parse_bytes(0) == 0
     with pytest.raises(lmq.LMQBackendError):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("budget", [0, "64MB"])
+async def test_sentencepiece_segments_add_no_space(budget):
+    """Llama-2-style tokenizers put "▁" before every encoded text; after a hole lmq must not: the ids the
+    model sees decode to exactly the prompt text, with the cache on and off."""
+    from conftest import llama_style_tokenizer, tiny_llama
+    from lmq_backend.backend.hf import HFBackend
+
+    tokenizer = llama_style_tokenizer()
+    backend = HFBackend.from_model(tiny_llama(vocab_size=len(tokenizer)), tokenizer, cache_budget=budget)
+    seen = []
+    original = backend.generate
+
+    async def spy(seq, state, sampler):
+        value = await original(seq, state, sampler)
+        seen.append((list(seq.ids), seq.text))
+        return value
+
+    backend.generate = spy
+    q = lmq.Query('"hello world,[A] the world[B]" where A in [" big", " small"] and B in [" is", "!"]\n"! hello"',
+                  model=backend)
+    r = await q.run({})
+    assert r.prompt.endswith("! hello") and len(seen) == 2
+    start = backend._start_ids
+    for ids, text in seen:
+        assert ids[: len(start)] == start
+        assert backend.vocab.decode_bytes(ids[len(start):]) == b" " + text.encode()  # one leading "▁" only

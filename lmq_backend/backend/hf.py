@@ -109,7 +109,7 @@ class HFBackend(Backend):
 
     async def extend(self, seq: Sequence, text: str) -> None:
         if text:
-            seq.ids.extend(self._vocab.encode(text))
+            seq.ids.extend(self._vocab.encode_continuation(text) if seq.text else self._vocab.encode(text))
             seq.text += text
             self._check_length(seq, len(seq.ids))
 
@@ -145,7 +145,7 @@ class HFBackend(Backend):
             if stop is None:
                 value, value_ids = state.text, generated
             else:
-                value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode(stop.tail)
+                value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode_continuation(stop.tail)
                 computed = min(computed, stop.keep)
             if computed and seq.handle is not None and seq.handle.depth == prompt_len:
                 self._insert(seq, seq.handle, generated[:computed], row, prompt_len)
@@ -164,7 +164,7 @@ class HFBackend(Backend):
             self.scheduler.release(row)
 
     async def score(self, seq: Sequence, options: list[str]) -> list[float]:
-        per_token = await self.score_tokens(seq, [self._vocab.encode(o) for o in options])
+        per_token = await self.score_tokens(seq, [self._vocab.encode_continuation(o) for o in options])
         return [sum(lps) for lps in per_token]
 
     def release(self, seq: Sequence) -> None:

@@ -182,6 +182,24 @@ class VocabIndex:
         """`tokenizer.encode(text, add_special_tokens=False)`, memoized with an LRU (a fresh list)."""
         return list(self._encode_cached(text))
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` as it continues a sequence. SentencePiece tokenizers (Llama-2, Mistral v0.1)
+        put a "▁" (a space) before every text they encode; after a generated value that space is not
+        in the prompt, so encode behind an anchor ("\n", which never merges) and drop the anchor's ids."""
+        if not text or not self._adds_leading_space:
+            return self.encode(text)
+        anchor = self.encode("\n")
+        ids = self.encode("\n" + text)
+        if ids[: len(anchor)] == anchor and self.decode_bytes(ids[len(anchor):]) == text.encode("utf-8"):
+            return ids[len(anchor):]
+        return self.encode(text)
+
+    @property
+    def _adds_leading_space(self) -> bool:
+        if not hasattr(self, "_leading_space"):
+            self._leading_space = self.decode_bytes(self.encode("a")) == b" a"
+        return self._leading_space
+
     def __repr__(self) -> str:
         return f"VocabIndex(size={self.size}, eos_ids={sorted(self.eos_ids)}, special={int(self.special.sum())})"
 
