@@ -49,18 +49,10 @@ def _rate(num: int, den: int) -> float:
     return num / den if den else 0.0
 
 
-@dataclass(slots=True)
-class TemplateStats:
-    """The counters of one query template (a compiled query, named by its name or first line)."""
+class _Rates:
+    """Hit rates and latency percentiles, derived from the counters of TemplateStats and CacheStats."""
 
-    calls: int = 0
-    lookups: int = 0
-    hits: int = 0
-    tokens_requested: int = 0
-    tokens_reused: int = 0
-    tokens_prefilled: int = 0
-    tokens_decoded: int = 0
-    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call
+    __slots__ = ()
 
     @property
     def token_hit_rate(self) -> float:
@@ -81,6 +73,20 @@ class TemplateStats:
     def p95(self) -> float | None:
         """95th-percentile call latency in seconds (None before any call)."""
         return percentile(self.latencies, 95)
+
+
+@dataclass(slots=True)
+class TemplateStats(_Rates):
+    """The counters of one query template (a compiled query, named by its name or first line)."""
+
+    calls: int = 0
+    lookups: int = 0
+    hits: int = 0
+    tokens_requested: int = 0
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_decoded: int = 0
+    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call
 
     def record_prefill(self, requested: int, reused: int) -> None:
         self.lookups += 1
@@ -104,7 +110,7 @@ class TemplateStats:
 
 
 @dataclass(slots=True)
-class CacheStats:
+class CacheStats(_Rates):
     """A backend's cache statistics (`backend.stats()`); see the module docstring for the definitions."""
 
     lookups: int = 0
@@ -120,16 +126,6 @@ class CacheStats:
     per_template: dict[str, TemplateStats] = field(default_factory=dict)
 
     @property
-    def token_hit_rate(self) -> float:
-        """tokens_reused / tokens_requested (0.0 before any prefill)."""
-        return _rate(self.tokens_reused, self.tokens_requested)
-
-    @property
-    def lookup_hit_rate(self) -> float:
-        """hits / lookups."""
-        return _rate(self.hits, self.lookups)
-
-    @property
     def calls(self) -> int:
         """Finished query calls, over all templates."""
         return sum(t.calls for t in self.per_template.values())
@@ -138,14 +134,6 @@ class CacheStats:
     def latencies(self) -> list[float]:
         """Every call's latency (seconds), over all templates."""
         return [x for t in self.per_template.values() for x in t.latencies]
-
-    @property
-    def p50(self) -> float | None:
-        return percentile(self.latencies, 50)
-
-    @property
-    def p95(self) -> float | None:
-        return percentile(self.latencies, 95)
 
     def since(self, earlier: "CacheStats") -> "CacheStats":
         """The counters accumulated between `earlier` and this snapshot (both from the same backend, with
