@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional, Tuple, Union
 
 import torch

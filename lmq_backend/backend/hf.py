@@ -88,8 +88,8 @@ class HFBackend(Backend):
         self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
         self._extendable = ~self._vocab.special
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
-        self._pickable = np.arange(self._vocab.size) < len(tokenizer)
-        self._pick_all = None if self._pickable.all() else torch.from_numpy(self._pickable).to(self.runner.device)
+        pickable = np.arange(self._vocab.size) < len(tokenizer)
+        self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
         self.trie = PrefixTrie(parse_bytes(cache_budget))
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
@@ -141,7 +141,7 @@ class HFBackend(Backend):
                 if stop is not None:
                     break
                 logits = None
-            computed = row.length - prompt_len  # generated tokens whose K/V the row holds
+            computed = self.scheduler.pool.length(row.slot) - prompt_len  # generated tokens with K/V in the row
             if stop is None:
                 value, value_ids = state.text, generated
             else:

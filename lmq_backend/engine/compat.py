@@ -10,11 +10,8 @@ import inspect
 from functools import lru_cache
 
 import torch
-import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
-
-TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
 
 
 @lru_cache(maxsize=None)

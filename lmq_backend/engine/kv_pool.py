@@ -116,7 +116,3 @@ class KVPool:
         a view, which the trie copies."""
         base = self.start[slot]
         return self.data[:, :, slot, :, base + start:base + end]
-
-    def view(self, rows: slice, first_column: int = 0) -> torch.Tensor:
-        """[L, 2, B, H, S', D] view of a range of slots from `first_column` on."""
-        return self.data[:, :, rows, :, first_column:]

@@ -47,7 +47,6 @@ class Row:
     """A sequence in the running batch; `slot` is its row in the pool and may change between steps."""
 
     slot: int
-    length: int
     live: bool = True
 
 
@@ -198,7 +197,7 @@ class Scheduler:
             return
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
-        rows = [Row(slot=slot, length=w.row.cached + len(w.row.ids)) for w, slot in zip(batch, slots)]
+        rows = [Row(slot=slot) for slot in slots]
         self.rows.extend(rows)
         for row in rows:  # the runner may give the new rows their slots in another order
             self.rows[row.slot] = row
@@ -220,10 +219,10 @@ class Scheduler:
         tokens = [self.decodes[id(row)][0] for row in self.rows]
         self.pool.make_room(self.pool.rows, 0, extra=1)
         logits = self._decode(slice(0, len(self.rows)), tokens)
+        cached = sum(self.pool.length(row.slot) for row in self.rows)
         self.pool.end += 1
-        self._report("decode", len(tokens), len(tokens), sum(r.length for r in self.rows), started)
+        self._report("decode", len(tokens), len(tokens), cached, started)
         for row, row_logits in zip(list(self.rows), logits):
-            row.length += 1
             _, future = self.decodes.pop(id(row))
             if not future.done():
                 future.set_result(row_logits)

@@ -11,6 +11,7 @@ only where a generated value begins or ends.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,8 +143,6 @@ class Run:
         options = [options] if isinstance(options, str) else list(options)
         if not options or not all(isinstance(o, str) for o in options):
             raise LMQRuntimeError(f"distribution {dist.var} needs a non-empty list of strings, got {options!r}")
-        import math
-
         logps = await self.backend.score(self.seq, options)
         top = max(logps)
         weights = [math.exp(lp - top) for lp in logps]

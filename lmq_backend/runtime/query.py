@@ -15,7 +15,7 @@ from ..errors import LMQCompileError, LMQInputError
 from ..language import ast, check_query, free_names, parse_query
 from .constraints import NOT_LITERAL, check_constraint
 from .decoders import DecoderSpec
-from .interpreter import Result, Run
+from .interpreter import Run
 
 _LITERAL_CALLS = {"set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sorted": sorted}
 
