@@ -87,6 +87,7 @@ class HFBackend(Backend):
         self.scheduler = Scheduler(self.runner)
         self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
         self._extendable = ~self._vocab.special
+        self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
         self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
@@ -133,7 +134,11 @@ class HFBackend(Backend):
                 if logits is None:  # feed the last picked token only now that another pick is needed
                     logits = await self.scheduler.decode(row, generated[-1])
                     self._count_decoded(seq)
-                token = sampler.select(logits, self._pick_all if can_end else torch.from_numpy(extendable))
+                if can_end:
+                    pick = self._pick_all
+                else:  # the mask of an unconstrained step is on the device already
+                    pick = self._extendable_on_device if allowed is None else torch.from_numpy(extendable)
+                token = sampler.select(logits, pick)
                 if can_end and not extendable[token]:
                     break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
                 generated.append(token)

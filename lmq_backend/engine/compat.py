@@ -44,9 +44,10 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))  # pragma: no cover - older caches
 
 
-def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
             cache, logits_to_keep: int = 1):
-    """One forward with an explicit cache; returns (logits [B, logits_to_keep, V], cache)."""
+    """One forward with an explicit cache (no mask: every row attends to all of it, causally); returns
+    (logits [B, logits_to_keep, V], cache)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(model, cache))
     return out.logits, output_cache(out) or cache

@@ -271,14 +271,19 @@ class FusedDecoder:
         self.k_cache = [pool[l, 0] for l in range(L)]        # [B_max, H_kv, S, D] views
         self.v_cache = [pool[l, 1] for l in range(L)]
 
-        # static inputs (graph-captured steps read these)
+        # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
+        # to the device in one copy from a pinned host mirror (`step_host`)
         n, dev = self.max_batch, self.device
-        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.start = torch.full((n,), s_max, dtype=torch.int32, device=dev)
-        self.end = torch.zeros(1, dtype=torch.int32, device=dev)        # column the new token goes to
-        self.end1 = torch.ones(1, dtype=torch.int32, device=dev)        # end + 1 (attention's exclusive end)
-        self.nrows = torch.zeros(1, dtype=torch.int32, device=dev)      # real rows (< bucket: padding)
+        self._inputs = torch.zeros(3 * n + 3, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(3 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
+        self._host_free = torch.cuda.Event() if self.cuda else None   # the last copy out of _host is done
+        self.tokens = self._inputs[:n]
+        self.positions = self._inputs[n:2 * n]
+        self.start = self._inputs[2 * n:3 * n]
+        self.start.fill_(s_max)
+        self.end = self._inputs[3 * n:3 * n + 1]            # column the new token goes to
+        self.end1 = self._inputs[3 * n + 1:3 * n + 2]       # end + 1 (attention's exclusive end)
+        self.nrows = self._inputs[3 * n + 2:]               # real rows (< bucket: padding)
         self._end_int, self._nrows_int = 0, 0                           # CPU fallbacks read these
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * h_kv) * d
@@ -383,17 +388,21 @@ class FusedDecoder:
             self._forward(bp)
         return graph
 
-    @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, end: int) -> torch.Tensor:
-        """Decode one token per row: tokens, positions int64 [B]; start int32 [B]; rows are pool[:, :, :B] with
-        valid columns [start[b], end). Writes the new K/V at column `end`; returns logits [B, V] (model dtype,
-        a view of a static buffer, valid until the next step)."""
-        B = tokens.shape[0]
+    def _check(self, B: int, end: int) -> int:
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"batch {B} outside [1, {self.max_batch}]")
         if not 0 <= end < self.S:
             raise ValueError(f"end {end} outside the pool's capacity {self.S}")
-        bp = bucket_for(B, self.max_batch)
+        self._end_int, self._nrows_int = int(end), B
+        return bucket_for(B, self.max_batch)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, end: int) -> torch.Tensor:
+        """Decode one token per row: tokens, positions int [B]; start int32 [B] (any device); rows are
+        pool[:, :, :B] with valid columns [start[b], end). Writes the new K/V at column `end`; returns logits
+        [B, V] (model dtype, a view of a static buffer, valid until the next step)."""
+        B = tokens.shape[0]
+        bp = self._check(B, end)
         self.tokens[:B].copy_(tokens, non_blocking=True)
         self.positions[:B].copy_(positions, non_blocking=True)
         self.start[:B].copy_(start, non_blocking=True)
@@ -404,7 +413,31 @@ class FusedDecoder:
         self.end.fill_(end)
         self.end1.fill_(end + 1)
         self.nrows.fill_(B)
-        self._end_int, self._nrows_int = int(end), B
+        return self._run(B, bp)
+
+    @torch.inference_mode()
+    def step_host(self, tokens: list[int], starts: list[int], end: int) -> torch.Tensor:
+        """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
+        goes to the device in one copy from a pinned buffer instead of one transfer and launch each."""
+        B = len(tokens)
+        bp = self._check(B, end)
+        n = self.max_batch
+        if self._host_free is not None:
+            self._host_free.synchronize()     # the previous step's copy has left the pinned buffer
+        h = self._host.numpy()
+        h[:B] = tokens
+        h[B:n] = 0
+        h[2 * n:2 * n + B] = starts
+        h[2 * n + B:3 * n] = self.S           # padded rows attend to nothing
+        h[n:2 * n] = end - h[2 * n:3 * n]
+        h[n + B:2 * n] = 0
+        h[3 * n:] = (end, end + 1, B)
+        self._inputs.copy_(self._host, non_blocking=True)
+        if self._host_free is not None:
+            self._host_free.record()
+        return self._run(B, bp)
+
+    def _run(self, B: int, bp: int) -> torch.Tensor:
         if not self.use_graphs:
             self._forward(bp)
         else:

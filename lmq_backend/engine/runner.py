@@ -49,11 +49,7 @@ class ModelRunner:
     def _fused_decode(self, pool: KVPool, tokens: list[int]) -> torch.Tensor:
         if self._decoder is None or self._decoder[1] is not pool.data:  # the pool was regrown
             self._decoder = (_fused_module().FusedDecoder(self.model, pool.data, self.max_batch), pool.data)
-        starts = pool.start[: pool.rows]
-        return self._decoder[0].step(
-            torch.tensor(tokens, device=self.device),
-            torch.tensor([pool.end - s for s in starts], device=self.device),
-            torch.tensor(starts, dtype=torch.int32, device=self.device), pool.end).float()
+        return self._decoder[0].step_host(tokens, pool.start[: pool.rows], pool.end).float()
 
     def prefill(self, pool: KVPool, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and prefill them: rows of similar new lengths share a left-padded forward
@@ -91,9 +87,14 @@ class ModelRunner:
             write[i, width - m:] = True
             positions[i, width - m:] = torch.arange(row.cached, n)
             mask[i, longest - n:] = 1
+        # Without padding (every row as long as the longest, new and cached parts alike) the forward needs
+        # no mask: plain causal attention, which lets transformers pick its fastest kernel (a 2k-token
+        # prefill of a 1B model on an H200: 13.3 ms instead of 17.9 ms with an all-ones mask).
+        padded = any(len(r.ids) != width for r in rows)
+        ragged = padded or any(n != longest for n in lengths)
         cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width,
-                                  write.to(self.device))
-        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device),
+                                  write.to(self.device) if padded else None)
+        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device) if ragged else None,
                                    positions.to(self.device), cache)
         return logits[:, -1].float(), slots
 
@@ -106,13 +107,16 @@ class ModelRunner:
         starts = pool.start[rows]
         first = min(starts)
         b, length = len(starts), pool.end - first
-        mask = torch.zeros(b, length + 1, dtype=torch.long)
-        for i, s in enumerate(starts):
-            mask[i, s - first:] = 1
+        mask = None
+        if any(s != first for s in starts):  # rows of different lengths: mask each row's padding
+            mask = torch.zeros(b, length + 1, dtype=torch.long)
+            for i, s in enumerate(starts):
+                mask[i, s - first:] = 1
+            mask = mask.to(self.device)
         positions = torch.tensor([[pool.end - s] for s in starts])
         cache = compat.pool_cache(pool, rows, first, length)
         logits, _ = compat.forward(self.model, torch.tensor(tokens)[:, None].to(self.device),
-                                   mask.to(self.device), positions.to(self.device), cache)
+                                   mask, positions.to(self.device), cache)
         return logits[:, -1].float()
 
     @torch.no_grad()
