@@ -79,6 +79,8 @@ def prefill_into_pool(model, prompts, pool, end):
     Returns (start int32 [B], last-position logits [B, V])."""
     dev = pool.device
     last = []
+    # the pool's invariant (kv_pool.py): a row's columns from the batch's first valid one hold finite values
+    pool[:, :, :len(prompts), :, end - max(map(len, prompts)):end] = 0
     for b, ids in enumerate(prompts):
         n = len(ids)
         logits, cache = compat.forward(model, torch.tensor([ids], device=dev), torch.ones(1, n, dtype=torch.long,

@@ -24,8 +24,9 @@ class PrefillRow:
 
 
 class ModelRunner:
-    """Runs the model's forwards for the scheduler. On CUDA, decode steps of Llama-family models go through
-    the fused, CUDA-graph captured `FusedDecoder` over a pool preallocated for `max_batch` rows."""
+    """Runs the model's forwards for the scheduler. Decode steps of Llama-family models go through the fused
+    `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
+    the growable pool on the CPU. Other models, and prefills, run the model's own forward."""
 
     def __init__(self, model, max_batch: int = 64, fused: bool | None = None):
         self.model = model
@@ -35,14 +36,16 @@ class ModelRunner:
         self.kv_shape = compat.kv_shape(model.config)
         self.max_batch = max_batch
         if fused is None:
-            fused = self.device.type == "cuda" and _fused_module().supports(model)
+            fused = _fused_supports(model)
         self.fused = fused
+        if fused:  # lay the weights out now: every forward, the first prefill included, reads the same layout
+            _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the pool tensor it was built on)
         if self.device.type == "cpu":
             compat.use_grouped_attention(model)
 
     def new_pool(self) -> KVPool:
-        if self.fused:  # static: CUDA graphs capture the pool's address
+        if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the pool's address
             return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device, rows=self.max_batch, columns=4096)
         return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device)
 
@@ -167,6 +170,13 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def _fused_module():
-    from . import fused_decode  # imports triton: only where a GPU can use it
+    from . import fused_decode  # imports triton
 
     return fused_decode
+
+
+def _fused_supports(model) -> bool:
+    try:
+        return _fused_module().supports(model, require_cuda=False)
+    except ImportError:  # no triton on this platform: the model's own forward decodes
+        return False
