@@ -136,7 +136,8 @@ class Scheduler:
         while self.waiting or self.rows:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(0)  # let every query that is ready submit before the step
+            if self.waiting or len(self.decodes) < len(self.rows):
+                await asyncio.sleep(0)  # let every query that is ready submit before the step
             try:
                 if self.waiting:
                     self._prefill_step()

@@ -24,7 +24,7 @@ class Sampler:
 class Greedy(Sampler):
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
         if allowed is not None:
-            logits = logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+            logits = torch.where(allowed.to(logits.device, non_blocking=True), logits, float("-inf"))
         return int(torch.argmax(logits))
 
 
