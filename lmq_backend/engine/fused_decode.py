@@ -33,7 +33,7 @@ attention kernel's ticket buffer) and captures; warm-up runs write the same K/V 
 real step, so they are harmless.
 
 On a CPU the same step runs eagerly, exactly B rows, with torch ops for the small kernels and grouped-query
-attention over the pool's columns [min(start), end] (`attention.py`); the weights are the model's own,
+attention over the pool's columns [min(start), end] read in place; the weights are the model's own,
 stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
 500-token context, 2 cores: 39 vs 47 ms a step at batch 1, 85 vs 126 ms at batch 8).
 """
@@ -47,8 +47,6 @@ import triton
 import triton.language as tl
 
 from lmq_kernels import decode_attention
-
-from .attention import grouped_attention
 
 __all__ = ["supports", "FusedDecoder", "bucket_for", "decoder_weights"]
 
@@ -204,11 +202,6 @@ def _rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _k_major(w: torch.Tensor) -> torch.Tensor:
@@ -395,36 +388,45 @@ class FusedDecoder:
             )
             return
         hq, hkv, d = self.Hq, self.H_kv, self.D
-        qh = qkv[:, : hq * d].view(bp, hq, d)
-        kh = qkv[:, hq * d: (hq + hkv) * d].view(bp, hkv, d)
+        qk = qkv[:, : (hq + hkv) * d].view(bp, hq + hkv, d)                    # q and k heads, one RoPE
         vh = qkv[:, (hq + hkv) * d:].view(bp, hkv, d)
         if lw.q_norm is not None:
-            qh, kh = _rmsnorm_torch(qh, lw.q_norm, lw.qk_eps), _rmsnorm_torch(kh, lw.k_norm, lw.qk_eps)
-        cos, sin = self._cos_sin
-        rope = lambda t: (t.float() * cos + _rotate_half(t.float()) * sin).to(self.dtype)  # noqa: E731
-        q.copy_(rope(qh))
+            qk = torch.cat([_rmsnorm_torch(qk[:, :hq], lw.q_norm, lw.qk_eps),
+                            _rmsnorm_torch(qk[:, hq:], lw.k_norm, lw.qk_eps)], dim=1)
+        cos, signed_sin = self._cos_sin
+        qkf = qk.float()
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]
+        roped = (qkf * cos + torch.roll(qkf, d // 2, dims=-1) * signed_sin).to(self.dtype)
+        q.copy_(roped[:, :hq])
         n, e = self._nrows_int, self._end_int
-        kc[:n, :, e].copy_(rope(kh)[:n])
+        kc[:n, :, e].copy_(roped[:n, hq:])
         vc[:n, :, e].copy_(vh[:n])
 
     def _cpu_step_setup(self, bp: int) -> None:
         """What every layer of a CPU step shares: RoPE's cos/sin and the padding mask (None without padding)."""
         freqs = self.positions[:bp].float()[:, None] * self.inv_freq[None]      # [bp, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]                         # [bp, 1, D]
-        self._cos_sin = emb.cos(), emb.sin()
+        self._cos_sin = emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None]
         first, end1 = self._first_int, self._end_int + 1
-        self._mask = None
+        self._padding = None
         if bool((self.start[:bp] != first).any()):
             cols = torch.arange(first, end1)
-            self._mask = (cols[None] >= self.start[:bp, None])[:, None, None]   # [bp, 1, 1, end1 - first]
+            self._padding = (cols[None] < self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
 
     def _attend_cpu(self, l: int, bp: int, scaling: float) -> None:
-        """Grouped-query attention over columns [first, end] only, K/V read in place (`attention.py`). Like
-        the model's CPU forward, it relies on the pool's invariant that those columns hold finite values."""
+        """Grouped-query attention over columns [first, end] only, K/V read in place: the G query heads of
+        a K/V head are the rows of one matmul (as in `attention.py`). Like the model's CPU forward, it relies
+        on the pool's invariant that those columns hold finite values; every row attends at least to its new
+        token, so no softmax row is empty."""
         first, end1 = self._first_int, self._end_int + 1
+        hkv = self.H_kv
         k, v = self.k_cache[l][:bp, :, first:end1], self.v_cache[l][:bp, :, first:end1]
-        out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._mask, scaling)  # [bp, 1, Hq, D]
-        self.attn[:bp].copy_(out[:, 0])
+        q = self.q[:bp].view(bp, hkv, self.Hq // hkv, self.D)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling)   # [bp, Hkv, G, columns]
+        if self._padding is not None:
+            scores.masked_fill_(self._padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        torch.matmul(probs, v, out=self.attn[:bp].view(bp, hkv, self.Hq // hkv, self.D))
 
     # ------------------------------------------------------------------------------------------ the step
     def _forward(self, bp: int) -> None:
