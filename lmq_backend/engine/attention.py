@@ -2,44 +2,29 @@
 
 Hugging Face's sdpa path copies K/V of a batch up to three times per layer (non-contiguous views,
 `repeat_kv` for GQA); on a CPU, where a batch of rows sharing a long cached prefix is memory-bound,
-those copies cost more than the attention itself. This function reads K/V in place (any strides), and
-groups the query heads of each K/V head, so a batch costs one pass over its cache.
+those copies cost more than the attention itself. This function hands the pool's views (any strides) to
+torch's fused CPU attention with `enable_gqa`, so a batch costs one blocked pass over its cache and never
+materialises the [queries x columns] scores (W1's 17-row prefill over 1,090 columns: 10 ms a layer,
+against 23 ms for a masked softmax over explicit scores).
 """
 from __future__ import annotations
 
-import math
-
 import torch
-
-SCORE_BYTES = 256 * 2**20  # chunk the queries so that one block of scores stays below this
+import torch.nn.functional as F
 
 
 def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, Hq, T, D]; key, value [B, Hkv, S, D]; attention_mask bool [B, 1, T, S] (True: attend) or
-    None for plain causal attention of the T queries ending at column S. Returns ([B, T, Hq, D], None)."""
-    b, hq, t, d = query.shape
-    hkv, s = key.shape[1], key.shape[2]
-    g = hq // hkv
-    scaling = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    None for plain causal attention of the T queries ending at column S. A query that may attend to
+    nothing (a padding position) gets zeros. Returns ([B, T, Hq, D], None)."""
+    t, s = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # an additive float mask: 0 where allowed
-    out = torch.empty(b, hkv, g, t, d, dtype=query.dtype, device=query.device)
-    q = query.view(b, hkv, g, t, d)
-    key_t = key.transpose(-1, -2)  # [B, Hkv, D, S]: a view; the matmuls read K/V in place
-    step = max(1, SCORE_BYTES // max(1, b * hq * s * 4))
-    for lo in range(0, t, step):
-        hi = min(t, lo + step)
-        n = hi - lo
-        scores = torch.matmul(q[:, :, :, lo:hi].reshape(b, hkv, g * n, d), key_t).float().mul_(scaling)
-        scores = scores.view(b, hkv, g, n, s)
-        if attention_mask is not None:
-            allowed = attention_mask[:, :, lo:hi, :][:, :, None]  # [B, 1, 1, n, S]
-        else:
-            rows = torch.arange(lo, hi, device=query.device)[:, None] + (s - t)
-            allowed = torch.arange(s, device=query.device)[None, :] <= rows
-        scores.masked_fill_(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(value.dtype)  # a fully masked (pad) query gives 0
-        out[:, :, :, lo:hi] = torch.matmul(probs.view(b, hkv, g * n, s), value).view(b, hkv, g, n, d)
-    return out.view(b, hq, t, d).transpose(1, 2), None
+    if attention_mask is None and t > 1:  # causal, aligned to the last column (SDPA's is_causal is not)
+        last = torch.arange(s - t, s, device=query.device)[:, None]
+        attention_mask = torch.arange(s, device=query.device)[None, :] <= last
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2), None

@@ -33,7 +33,7 @@ attention kernel's ticket buffer) and captures; warm-up runs write the same K/V 
 real step, so they are harmless.
 
 On a CPU the same step runs eagerly, exactly B rows, with torch ops for the small kernels and grouped-query
-attention over the pool's columns [min(start), end] read in place; the weights are the model's own,
+attention over the pool's columns [min(start), end] read in place (`attention.py`); the weights are the model's own,
 stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
 500-token context, 2 cores: 39 vs 47 ms a step at batch 1, 85 vs 126 ms at batch 8).
 """
@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 
 from lmq_kernels import decode_attention
+
+from .attention import grouped_attention
 
 __all__ = ["supports", "FusedDecoder", "bucket_for", "decoder_weights"]
 
@@ -408,25 +410,18 @@ class FusedDecoder:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]                         # [bp, 1, D]
         self._cos_sin = emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None]
         first, end1 = self._first_int, self._end_int + 1
-        self._padding = None
+        self._allowed = None  # every row attends to every column read
         if bool((self.start[:bp] != first).any()):
             cols = torch.arange(first, end1)
-            self._padding = (cols[None] < self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
+            self._allowed = (cols[None] >= self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
 
     def _attend_cpu(self, l: int, bp: int, scaling: float) -> None:
-        """Grouped-query attention over columns [first, end] only, K/V read in place: the G query heads of
-        a K/V head are the rows of one matmul (as in `attention.py`). Like the model's CPU forward, it relies
-        on the pool's invariant that those columns hold finite values; every row attends at least to its new
-        token, so no softmax row is empty."""
+        """The model's CPU attention (`attention.py`) over columns [first, end] of the pool, read in place;
+        like the model's forward it relies on the pool's invariant that those columns hold finite values."""
         first, end1 = self._first_int, self._end_int + 1
-        hkv = self.H_kv
         k, v = self.k_cache[l][:bp, :, first:end1], self.v_cache[l][:bp, :, first:end1]
-        q = self.q[:bp].view(bp, hkv, self.Hq // hkv, self.D)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling)   # [bp, Hkv, G, columns]
-        if self._padding is not None:
-            scores.masked_fill_(self._padding, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        torch.matmul(probs, v, out=self.attn[:bp].view(bp, hkv, self.Hq // hkv, self.D))
+        out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._allowed, scaling)  # [bp, 1, Hq, D]
+        self.attn[:bp].copy_(out[:, 0])
 
     # ------------------------------------------------------------------------------------------ the step
     def _forward(self, bp: int) -> None:

@@ -98,11 +98,13 @@ class KVPool:
 
     def remove_row(self, slot: int) -> int | None:
         """Free a slot, moving the last row into it to keep slots dense; returns the moved row's old
-        slot (its new slot is `slot`), or None."""
+        slot (its new slot is `slot`), or None. Only the moved row's valid columns are copied: the
+        slot's columns left of them still hold the freed row's finite values (the invariant above)."""
         last = self.rows - 1
         moved = None
         if slot != last:
-            self.data[:, :, slot].copy_(self.data[:, :, last])
+            s = self.start[last]
+            self.data[:, :, slot, :, s:self.end].copy_(self.data[:, :, last, :, s:self.end])
             self.start[slot] = self.start[last]
             moved = last
         self.start.pop()

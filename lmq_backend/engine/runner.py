@@ -59,6 +59,8 @@ class ModelRunner:
         (so that padding is at most PAD_WASTE of the tokens computed). Returns (logits [B, V], slots)."""
         logits: list[torch.Tensor | None] = [None] * len(rows)
         slots: list[int] = [0] * len(rows)
+        # room for every group at once: growing the pool group by group would copy it each time
+        pool.make_room(pool.rows + len(rows), max(r.cached + len(r.ids) for r in rows), extra=1)
         for group in _length_groups([len(r.ids) for r in rows]):
             group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
             for i, row_logits, slot in zip(group, group_logits, group_slots):

@@ -95,18 +95,28 @@ class Scheduler:
         return await future
 
     def release(self, row: Row) -> None:
-        """The row leaves the batch (its hole is done, or its query failed or was cancelled)."""
+        """The row leaves the batch (its hole is done, or its query failed or was cancelled). Its slot is
+        freed at once if no live row follows it; otherwise before the next step (`_compact`), so that rows
+        leaving together (a batch of classifications) free their slots without moving each other's K/V."""
         if not row.live:
             return
         row.live = False
         self.decodes.pop(id(row), None)
-        moved = self.pool.remove_row(row.slot)
-        self.rows[row.slot] = self.rows[-1]
-        self.rows.pop()
-        if moved is not None:
-            self.rows[row.slot].slot = row.slot
+        while self.rows and not self.rows[-1].live:
+            self.rows.pop()
+            self.pool.remove_row(self.pool.rows - 1)
         if self._wake is not None:
             self._wake.set()
+
+    def _compact(self) -> None:
+        """Free the slots of rows that left: the last live rows move into them (slots stay dense)."""
+        for slot in range(len(self.rows) - 1, -1, -1):
+            if not self.rows[slot].live:  # every slot after it holds a live row now
+                moved = self.pool.remove_row(slot)
+                self.rows[slot] = self.rows[-1]
+                self.rows.pop()
+                if moved is not None:
+                    self.rows[slot].slot = slot
 
     # ----- the steps ------------------------------------------------------------------------------------
 
@@ -136,8 +146,10 @@ class Scheduler:
         while self.waiting or self.rows:
             await self._wake.wait()
             self._wake.clear()
+            self._compact()
             if self.waiting or len(self.decodes) < len(self.rows):
                 await asyncio.sleep(0)  # let every query that is ready submit before the step
+                self._compact()
             try:
                 if self.waiting:
                     self._prefill_step()
