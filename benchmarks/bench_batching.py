@@ -37,9 +37,8 @@ def backend_for(args) -> "lmq.HFBackend":
     return lmq.HFBackend.from_model(model.to(args.device), tokenizer, cache_budget="16GB", name=args.random)
 
 
-def hf_batch_generate(backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def hf_batch_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """`model.generate` on one left-padded batch (the baseline a user would write)."""
-    model = backend.model
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -83,8 +82,9 @@ def w1(backend, calls: int) -> None:
     backend.on_step(None)
     encode = backend.vocab.encode
     prompts = [encode(shots + "Review: " + r + "\nSentiment:") for r in reviews]
+    model = W.plain_model(backend.model)
     t = time.perf_counter()
-    hf_batch_generate(backend, prompts, 1)
+    hf_batch_generate(model, prompts, 1)
     t_hf = time.perf_counter() - t
     print(f"\nW1, {calls} calls, ~{len(prompts[0])} prompt tokens each (seconds per call, amortized)")
     print(f"  lmq concurrent        {t_con / calls:8.4f}")
@@ -117,11 +117,12 @@ def w2(backend) -> None:
     backend.on_step(None)
     encode = backend.vocab.encode
     histories = [encode("<|im_start|>system\n" + W.W2_SYSTEM + "<|im_end|>\n") for _ in chats]
+    model = W.plain_model(backend.model)
     t = time.perf_counter()
     for turn in range(len(W.W2_TURNS)):
         for c, h in zip(chats, histories):
             h += encode("<|im_start|>user\n" + c["turns"][turn] + "<|im_end|>\n<|im_start|>assistant\n")
-        outs = hf_batch_generate(backend, histories, W.W2_ANSWER_TOKENS)
+        outs = hf_batch_generate(model, histories, W.W2_ANSWER_TOKENS)
         for h, out in zip(histories, outs):
             h += out + encode("<|im_end|>\n")
     t_hf = time.perf_counter() - t

@@ -48,8 +48,8 @@ def prefix_cache(model, ids):
     return compat.output_cache(out)
 
 
-def w1(backend, calls: int) -> dict:
-    model, encode = backend.model, backend.vocab.encode
+def w1(backend, model, calls: int) -> dict:
+    encode = backend.vocab.encode
     shots, reviews = W.w1_shots(), W.w1_reviews(calls)
     q = lmq.Query(W.W1_QUERY, model=backend)
     times = {"lmq": [], "hf-scratch": [], "hf-cached": []}
@@ -81,8 +81,8 @@ def w1(backend, calls: int) -> dict:
     return {"times": times, "tokens": median(prompt_tokens), "agree": agree, "n": len(reviews)}
 
 
-def w2(backend) -> dict:
-    model, encode = backend.model, backend.vocab.encode
+def w2(backend, model) -> dict:
+    encode = backend.vocab.encode
     marks = []
     q = lmq.Query(W.W2_QUERY.replace('"[ANSWER]"', '"{tick()}[ANSWER]"'), model=backend)
     inputs = {"system": W.W2_SYSTEM, "turns": W.W2_TURNS, "tick": lambda: marks.append(time.perf_counter()) or ""}
@@ -128,10 +128,11 @@ def main() -> None:
     args = ap.parse_args()
     backend = lmq.HFBackend(args.model, device=args.device, dtype=args.dtype)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, {args.dtype}")
-    r1 = w1(backend, args.calls)
+    model = W.plain_model(backend.model)  # for the HF baselines
+    r1 = w1(backend, model, args.calls)
     report("W1 few-shot classification (per call)", r1)
     print(f"lmq and hf-scratch agree on {r1['agree']}/{r1['n']} answers")
-    r2 = w2(backend)
+    r2 = w2(backend, model)
     report("W2 6-turn chat (per turn)", r2)
     s = backend.stats()
     print(f"\nlmq cache: token hit rate {s.token_hit_rate:.3f}, reused {s.tokens_reused}, "

@@ -6,6 +6,7 @@ W2: a 6-turn chat whose history grows from ~380 to ~660 tokens, with at most 24 
 """
 from __future__ import annotations
 
+import copy
 import random
 
 SUBJECTS = ["The pasta", "Our waiter", "The hotel room", "The concert", "This phone", "The delivery",
@@ -95,3 +96,17 @@ def random_config(shape: str):
                            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     raise ValueError(f"unknown shape {shape!r}: smollm2-135m or llama-1b")
+
+
+def plain_model(model):
+    """The baselines' model: a copy of the served model as transformers itself runs it. lmq re-lays out the
+    weights of a model it serves on the CPU (K-major, for its fused decode step) and routes its attention
+    through lmq's function; the baselines must not get either."""
+    import torch
+
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.data = p.data.contiguous()
+    plain.set_attn_implementation("sdpa")
+    return plain.eval()
