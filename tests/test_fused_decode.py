@@ -286,3 +286,23 @@ def test_cuda_graphs_match_eager_bitwise():
         b = graph.step(tok[:B], pos[:B] + i, start[:B], 120 + i).clone()
         assert torch.equal(a, b), f"step {i} (B={B}) differs: {(a.float() - b.float()).abs().max().item()}"
     assert torch.equal(pool, pool2)
+
+
+def test_cpu_layout_keeps_the_model_savable(tmp_path):
+    """On the CPU the fused step re-lays the model's Linear weights out K-major (views of shared buffers);
+    the model must still compute the same, save with `save_pretrained` and load back equal."""
+    from lmq_backend.engine.fused_decode import decoder_weights
+
+    model = tiny_llama(seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        expected = model(x).logits
+    decoder_weights(model)
+    assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()  # the layout did change
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, expected, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -212,6 +212,21 @@ def _k_major(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
+def _repoint(module, weight: torch.Tensor) -> None:
+    """Make `weight` (a K-major view) the module's weight. Its `state_dict` keeps giving a contiguous copy,
+    so that saving the model (`save_pretrained`, safetensors) works as before."""
+    module.weight.data = weight
+    if not getattr(module, "_lmq_contiguous_state", False):
+        module.register_state_dict_post_hook(_contiguous_weight_state)
+        module._lmq_contiguous_state = True
+
+
+def _contiguous_weight_state(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].contiguous()
+
+
 class _Layer:
     """One decoder layer's weights, as the fused step uses them.
 
@@ -234,9 +249,10 @@ class _Layer:
                     row = 0
                     for m in modules:
                         n = m.weight.shape[0]
-                        m.weight.data = stored[row:row + n]
+                        _repoint(m, stored[row:row + n])
                         row += n
-                attn.o_proj.weight.data, mlp.down_proj.weight.data = self.wo, self.wdown
+                _repoint(attn.o_proj, self.wo)
+                _repoint(mlp.down_proj, self.wdown)
             else:
                 self.wqkv = torch.cat([m.weight for m in qkv]).contiguous()
                 self.wgu = torch.cat([m.weight for m in gu]).contiguous()
@@ -272,7 +288,8 @@ class _Weights:
                 if lm_head.data_ptr() == self.embed.data_ptr():
                     lm_head = _k_major(lm_head)  # a copy: the embedding's row lookups need rows contiguous
                 else:
-                    model.lm_head.weight.data = lm_head = _k_major(lm_head)
+                    lm_head = _k_major(lm_head)
+                    _repoint(model.lm_head, lm_head)
         self.lm_head = lm_head
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
 
