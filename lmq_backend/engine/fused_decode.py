@@ -285,10 +285,9 @@ class _Weights:
         lm_head = model.lm_head.weight                       # [V, hidden] (tied: the embedding itself)
         if k_major:
             with torch.no_grad():
-                if lm_head.data_ptr() == self.embed.data_ptr():
-                    lm_head = _k_major(lm_head)  # a copy: the embedding's row lookups need rows contiguous
-                else:
-                    lm_head = _k_major(lm_head)
+                tied = lm_head.data_ptr() == self.embed.data_ptr()
+                lm_head = _k_major(lm_head)
+                if not tied:  # tied: the K-major copy stays ours, the embedding's row lookups need rows contiguous
                     _repoint(model.lm_head, lm_head)
         self.lm_head = lm_head
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
@@ -424,8 +423,8 @@ class FusedDecoder:
     def _cpu_step_setup(self, bp: int) -> None:
         """What every layer of a CPU step shares: RoPE's cos/sin and the padding mask (None without padding)."""
         freqs = self.positions[:bp].float()[:, None] * self.inv_freq[None]      # [bp, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                         # [bp, 1, D]
-        self._cos_sin = emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None]
+        cos, sin = freqs.cos(), freqs.sin()
+        self._cos_sin = torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]  # [bp, 1, D]
         first, end1 = self._first_int, self._end_int + 1
         self._allowed = None  # every row attends to every column read
         if bool((self.start[:bp] != first).any()):
