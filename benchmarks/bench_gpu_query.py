@@ -75,9 +75,19 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t, backend.stats().tokens_decoded - before
 
-    lmq_call(f"warm-up {base}")  # Triton JIT and CUDA-graph capture
-    cold = [lmq_call(f"Run {i}. {base}") for i in range(args.runs)]
-    warm = [lmq_call(f"Run {i}. {base}") for i in range(args.runs)]
+    def lmq_runs(tag: str) -> tuple[list, list]:
+        lmq_call(f"warm-up {tag} {base}")  # Triton JIT and CUDA-graph capture
+        cold = [lmq_call(f"Run {tag} {i}. {base}") for i in range(args.runs)]
+        warm = [lmq_call(f"Run {tag} {i}. {base}") for i in range(args.runs)]
+        return cold, warm
+
+    cold, warm = lmq_runs("a")
+    decoder = backend.runner._decoder[0]
+    ahead_stats = f"run-ahead steps launched {decoder.ran_ahead}, taken {decoder.took_ahead}"
+    masks = backend.runner.greedy_masks
+    backend.runner.set_greedy_masks(None)  # the same engine without running ahead (every step waits for the host)
+    cold_plain, warm_plain = lmq_runs("b")
+    backend.runner.set_greedy_masks(masks)
     prompt_len = len(backend.vocab.encode(f"Run 0. {base}"))
 
     hf_ids = torch.tensor([backend.vocab.encode(f"Run 0. {base}")], device="cuda")
@@ -99,6 +109,11 @@ def main() -> None:
     print(f"{'HF generate':<28} {med(hf) * 1e3:8.1f} ms")
     print(f"{'lmq, new prompt (prefill)':<28} {med(t for t, _ in cold) * 1e3:8.1f} ms   {med(hf) / med(t for t, _ in cold):5.1f}x")
     print(f"{'lmq, cached prompt':<28} {med(t for t, _ in warm) * 1e3:8.1f} ms   {med(hf) / med(t for t, _ in warm):5.1f}x")
+    print(f"{'  no run-ahead, new prompt':<28} {med(t for t, _ in cold_plain) * 1e3:8.1f} ms   "
+          f"{med(hf) / med(t for t, _ in cold_plain):5.1f}x")
+    print(f"{'  no run-ahead, cached':<28} {med(t for t, _ in warm_plain) * 1e3:8.1f} ms   "
+          f"{med(hf) / med(t for t, _ in warm_plain):5.1f}x")
+    print(ahead_stats)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,17 @@ def test_no_mask_is_causal_to_the_last_column():
     torch.testing.assert_close(got, reference(q, k, v, allowed[None, None]), atol=1e-5, rtol=1e-5)
     one, _ = grouped_attention(None, q[:, :, -1:], k, v, None)   # a single query sees every column
     torch.testing.assert_close(one, got[:, -1:], atol=1e-5, rtol=1e-5)
+
+
+def test_single_query_rows_fold_the_head_group():
+    """A decode step (one query a row) reads each kv head once for its group of query heads; rows of
+    different lengths (left padding) on strided pool views, 3 query heads per kv head."""
+    torch.manual_seed(2)
+    pool = torch.randn(2, 4, 3, 50, 16)
+    k, v = pool[0, :, :, 5:45], pool[1, :, :, 5:45]   # 4 rows, 3 kv heads, 40 columns
+    q = torch.randn(4, 9, 1, 16)
+    allowed = (torch.arange(40)[None] >= torch.tensor([0, 13, 39, 7])[:, None])[:, None, None]  # [4, 1, 1, 40]
+    got, _ = grouped_attention(None, q, k, v, allowed, 0.25)
+    want = reference(q * 0.25 * 4, k, v, allowed)     # reference scales by 1/sqrt(16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (4, 1, 9, 16)

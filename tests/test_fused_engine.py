@@ -41,3 +41,48 @@ async def test_fused_decode_matches_the_model_forward(tokenizer, device):
     assert await run_all(fused, 1) == alone
     # the fused path decoded (every hole had more than one token to pick)
     assert fused.stats().tokens_decoded > 0
+    # a repeated query finds each hole's prompt in the trie but its last token, a one-token prefill that
+    # runs as a fused step
+    steps = []
+    fused.on_step(steps.append)
+    prefilled = fused.stats().tokens_prefilled
+    assert await run_all(fused, 1) == alone
+    assert fused.stats().tokens_prefilled - prefilled == 3
+    assert [s.new_tokens for s in steps if s.kind == "prefill"] == [1, 1, 1]
+
+
+RUN_AHEAD = '''
+"Once upon a time, {x}[A]" where len(TOKENS(A)) < 24
+" so[B]" where STOPS_AT(B, ".") and len(TOKENS(B)) < 16
+" Is it true?[C]" where C in [" yes", " no"]
+"{x}[D]" where len(TOKENS(D)) < 10
+'''
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_run_ahead_steps_change_no_token(tokenizer):
+    """On a GPU, greedy steps without a constraint mask run the next step ahead on the device's own pick;
+    the host takes it only when its own pick and the batch agree. Concurrent queries that join, stop
+    (STOPS_AT) and pick under constraints mid-way give the same tokens as without running ahead, and most
+    steps were taken from a run-ahead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=512,
+                         intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
+    model = LlamaForCausalLM(config).cuda().eval()
+    ahead = lmq.HFBackend.from_model(model, tokenizer, name="ahead")
+    plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
+    plain.runner.set_greedy_masks(None)
+    q_ahead, q_plain = lmq.Query(RUN_AHEAD, model=ahead), lmq.Query(RUN_AHEAD, model=plain)
+
+    async def late(q, i):
+        await asyncio.sleep(0.002 * (i % 3))  # arrive at different steps
+        return (await q.run({"x": "word " * i})).variables
+
+    for n in (1, 5):
+        want = await asyncio.gather(*(late(q_plain, i) for i in range(n)))
+        assert await asyncio.gather(*(late(q_ahead, i) for i in range(n))) == want
+    decoder = ahead.runner._decoder[0]
+    assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2
+    assert plain.runner._decoder[0].ran_ahead == 0

@@ -18,7 +18,7 @@ from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.scheduler import Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
-from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
+from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
 from ..runtime.vocab import VocabIndex
 from .protocol import Backend, Sequence
 
@@ -91,6 +91,10 @@ class HFBackend(Backend):
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
         self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
+        # the two masks of steps without a constraint mask (see generate): fused GPU steps pick under them
+        # on the device, and run the next step ahead on those picks
+        self._greedy_masks = (self._pick_all, self._extendable_on_device)
+        self.runner.set_greedy_masks(list(self._greedy_masks))
         self.trie = PrefixTrie(parse_bytes(cache_budget))
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
@@ -131,14 +135,17 @@ class HFBackend(Backend):
                     if can_end:
                         break
                     self._check_length(seq, prompt_len + len(generated) + 1)
-                if logits is None:  # feed the last picked token only now that another pick is needed
-                    logits = await self.scheduler.decode(row, generated[-1])
-                    self._count_decoded(seq)
                 if can_end:
                     pick = self._pick_all
                 else:  # the mask of an unconstrained step is on the device already
                     pick = self._extendable_on_device if allowed is None else torch.from_numpy(extendable)
-                token = sampler.select(logits, pick)
+                greedy = self._greedy_mask(pick) if type(sampler) is Greedy else None
+                if logits is None:  # feed the last picked token only now that another pick is needed
+                    logits = await self.scheduler.decode(row, generated[-1], ahead=greedy)
+                    self._count_decoded(seq)
+                token = row.device_pick(greedy) if greedy is not None else None
+                if token is None:
+                    token = sampler.select(logits, pick)
                 if can_end and not extendable[token]:
                     break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
                 generated.append(token)
@@ -220,6 +227,13 @@ class HFBackend(Backend):
         if seq.handle is not None:
             self.trie.unpin(seq.handle)
         seq.handle = node
+
+    def _greedy_mask(self, pick) -> int | None:
+        """Which of the runner's greedy masks `pick` is (a greedy pick under it may come from the device)."""
+        for k, mask in enumerate(self._greedy_masks):
+            if pick is mask:
+                return k
+        return None
 
     def _count_decoded(self, seq: Sequence) -> None:
         self._totals.tokens_decoded += 1

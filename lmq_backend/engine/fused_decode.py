@@ -50,7 +50,7 @@ from lmq_kernels import decode_attention
 
 from .attention import grouped_attention
 
-__all__ = ["supports", "FusedDecoder", "bucket_for", "decoder_weights"]
+__all__ = ["supports", "FusedDecoder", "DevicePicks", "bucket_for", "decoder_weights"]
 
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "llama3", "linear")  # these only change inv_freq (attention_scaling == 1)
@@ -311,7 +311,8 @@ class FusedDecoder:
     `step` returns logits `[B, V]` in the model's dtype, a view of a static buffer that the next `step`
     overwrites (clone it to keep it)."""
 
-    def __init__(self, model, pool: torch.Tensor, max_batch: int, use_graphs: bool = True):
+    def __init__(self, model, pool: torch.Tensor, max_batch: int, use_graphs: bool = True,
+                 greedy_masks: list[torch.Tensor | None] | None = None):
         why = _why_not(model, require_cuda=False)
         if why is not None:
             raise ValueError(f"FusedDecoder does not support this model: {why}")
@@ -344,16 +345,17 @@ class FusedDecoder:
         # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
         # to the device in one copy from a pinned host mirror (`step_host`)
         n, dev = self.max_batch, self.device
-        self._inputs = torch.zeros(3 * n + 3, dtype=torch.int32, device=dev)
-        self._host = torch.zeros(3 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
+        self._inputs = torch.zeros(4 * n + 3, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(4 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
         self._host_free = torch.cuda.Event() if self.cuda else None   # the last copy out of _host is done
         self.tokens = self._inputs[:n]
         self.positions = self._inputs[n:2 * n]
         self.start = self._inputs[2 * n:3 * n]
         self.start.fill_(s_max)
-        self.end = self._inputs[3 * n:3 * n + 1]            # column the new token goes to
-        self.end1 = self._inputs[3 * n + 1:3 * n + 2]       # end + 1 (attention's exclusive end)
-        self.nrows = self._inputs[3 * n + 2:]               # real rows (< bucket: padding)
+        self.ahead = self._inputs[3 * n:4 * n]              # per row: the greedy mask its run-ahead token uses
+        self.end = self._inputs[4 * n:4 * n + 1]            # column the new token goes to
+        self.end1 = self._inputs[4 * n + 1:4 * n + 2]       # end + 1 (attention's exclusive end)
+        self.nrows = self._inputs[4 * n + 2:]               # real rows (< bucket: padding)
         self._end_int, self._nrows_int, self._first_int = 0, 0, 0       # CPU steps read these
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * h_kv) * d
@@ -368,6 +370,18 @@ class FusedDecoder:
         self.logits = mk(n, self.vocab)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
+        self.masks = None
+        self.picks: DevicePicks | None = None
+        self._ahead_key = None       # the state a launched run-ahead step assumed, see `run_ahead`
+        self._last = None            # (key, starts) of the last step from `step_host`
+        self._ahead_used = ()        # the `ahead` masks in the device's inputs
+        self.ran_ahead = self.took_ahead = 0   # run-ahead steps launched / taken
+        if greedy_masks and self.cuda:
+            self.masks = torch.stack([torch.ones(self.vocab, dtype=torch.bool, device=dev) if m is None
+                                      else m.to(dev, torch.bool) for m in greedy_masks])  # [K, V]
+            self.guess = torch.zeros(len(greedy_masks), n, dtype=torch.int64, device=dev)
+            self._guess_host = torch.zeros(len(greedy_masks), n, dtype=torch.int64, pin_memory=True)
 
     # ------------------------------------------------------------------------------------------ small ops
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -466,13 +480,30 @@ class FusedDecoder:
             x.addmm_(self.act[:bp], lw.wdown.t())                               # x += mlp @ Wdown^T
         self._rmsnorm(x, self.final_norm, self.final_eps, h)
         torch.mm(h, self.lm_head.t(), out=self.logits[:bp])                     # [bp, V]
+        if self.masks is not None:
+            self._pick_and_advance(bp)
+
+    def _pick_and_advance(self, bp: int) -> None:
+        """Greedy picks under each mask (what `Greedy.select` would pick: the first maximal logit), and, in
+        a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
+        position and one column further (a run-ahead replays the same graph on them)."""
+        logits = self.logits[:bp]
+        picks = torch.where(self.masks[:, None], logits[None], float("-inf")).argmax(-1)  # [K, bp]
+        self.guess[:, :bp].copy_(picks)
+        if self.use_graphs:
+            self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
+            self.positions[:bp].add_(1)
+            self.end.add_(1)
+            self.end1.add_(1)
 
     def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
+        inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # JIT + ticket buffer; rewrites the same K/V at the same column
                 self._forward(bp)
+                self._inputs.copy_(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
@@ -497,6 +528,7 @@ class FusedDecoder:
         [B, V] (model dtype, a view of a static buffer, valid until the next step)."""
         B = tokens.shape[0]
         bp = self._check(B, end)
+        self._last = None  # no run-ahead after a step from device tensors
         self.tokens[:B].copy_(tokens, non_blocking=True)
         self.positions[:B].copy_(positions, non_blocking=True)
         self.start[:B].copy_(start, non_blocking=True)
@@ -512,10 +544,19 @@ class FusedDecoder:
         return self._run(B, bp)
 
     @torch.inference_mode()
-    def step_host(self, tokens: list[int], starts: list[int], end: int) -> torch.Tensor:
+    def step_host(self, tokens: list[int], starts: list[int], end: int, ahead: list[int] | None = None,
+                  key=None) -> torch.Tensor:
         """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
-        goes to the device in one copy from a pinned buffer instead of one transfer and launch each."""
+        goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
+        `ahead`: per row, the greedy mask a run-ahead step picks its token with; `key`: see `run_ahead`."""
         B = len(tokens)
+        ahead = tuple(ahead) if ahead is not None else (0,) * B
+        last = (key, tuple(starts)) if key is not None else None
+        if last is not None and self._take_ahead(last, tokens, end):
+            if ahead != self._ahead_used:  # the masks of the next run-ahead's picks changed
+                self._set_ahead(ahead)
+            return self.logits[:B]
+        self._last, self._ahead_used = last, ahead
         bp = self._check(B, end)
         n = self.max_batch
         if self._host_free is not None:
@@ -527,7 +568,9 @@ class FusedDecoder:
         h[2 * n + B:3 * n] = self.S           # padded rows attend to nothing
         h[n:2 * n] = end - h[2 * n:3 * n]
         h[n + B:2 * n] = 0
-        h[3 * n:] = (end, end + 1, B)
+        h[3 * n:3 * n + B] = ahead
+        h[3 * n + B:4 * n] = 0
+        h[4 * n:] = (end, end + 1, B)
         self._first_int = min(starts)
         self._inputs.copy_(self._host, non_blocking=True)
         if self._host_free is not None:
@@ -535,6 +578,7 @@ class FusedDecoder:
         return self._run(B, bp)
 
     def _run(self, B: int, bp: int) -> torch.Tensor:
+        self._ahead_key = None  # a run-ahead step not taken: the pool column it wrote is past `end`, free
         if not self.use_graphs:
             self._forward(bp)
         else:
@@ -542,4 +586,76 @@ class FusedDecoder:
             if graph is None:
                 graph = self.graphs[bp] = self._capture(bp)
             graph.replay()
+        self._copy_picks(B)
         return self.logits[:B]
+
+    def _copy_picks(self, B: int) -> None:
+        if self.masks is not None:
+            self._guess_host.copy_(self.guess, non_blocking=True)
+            self.picks = DevicePicks(self._guess_host, B)
+
+    # ------------------------------------------------------------------------------------- running ahead
+    def run_ahead(self) -> bool:
+        """Launch the next step now, on the tokens this step picked on the device, while the host picks and
+        checks its own (call it after taking what you need of this step's logits: the run-ahead step
+        overwrites them). The next `step_host` takes the run-ahead step's result instead of running the
+        step again when everything it depends on is what the run-ahead assumed: the same `key` (the
+        caller's name for the pool's rows and contents), starts, end + 1, `ahead` masks, and as tokens
+        the device's picks; any other call discards it. Steps are deterministic, so a taken run-ahead
+        step is the step itself, bit for bit. Only for CUDA-graph steps with greedy masks; returns
+        whether it launched."""
+        if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
+            return False
+        self.graphs[bucket_for(self._nrows_int, self.max_batch)].replay()
+        self._end_int += 1
+        self._ahead_key = (self._last, self._end_int, self.picks, self._ahead_used)
+        self.ran_ahead += 1
+        return True
+
+    def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
+        """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
+        anything else is queued.)"""
+        key, self._ahead_key = self._ahead_key, None
+        if key is None or key[:2] != (last, end) or key[2].tokens(key[3]) != tokens:
+            return False
+        self._copy_picks(len(tokens))
+        self.took_ahead += 1
+        return True
+
+    def _set_ahead(self, ahead: tuple[int, ...]) -> None:
+        n, B = self.max_batch, len(ahead)
+        if self._host_free is not None:
+            self._host_free.synchronize()
+        self._host[3 * n:3 * n + B] = torch.tensor(ahead, dtype=torch.int32)
+        self.ahead[:B].copy_(self._host[3 * n:3 * n + B], non_blocking=True)
+        if self._host_free is not None:
+            self._host_free.record()
+        self._ahead_used = ahead
+
+
+class DevicePicks:
+    """One step's greedy picks, per mask and row, on their way to the host (read them before the next
+    step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
+    queued after it."""
+
+    def __init__(self, host: torch.Tensor, rows: int):
+        self._host, self.rows = host, rows
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._ready = False
+
+    def _wait(self) -> None:
+        if not self._ready:
+            self._event.synchronize()
+            self._ready = True
+
+    def __call__(self, mask: int, row: int) -> int:
+        """The greedy pick of `row` under mask number `mask`."""
+        self._wait()
+        return int(self._host[mask, row])
+
+    def tokens(self, ahead: tuple[int, ...]) -> list[int]:
+        """Each row's pick under its own mask (the tokens a run-ahead step ran on)."""
+        self._wait()
+        h = self._host.numpy()
+        return [int(h[k, b]) for b, k in enumerate(ahead)]

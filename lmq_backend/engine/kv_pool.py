@@ -30,6 +30,7 @@ class KVPool:
         self.rows = 0                 # slots in use: 0..rows-1
         self.start: list[int] = []    # per slot: first valid column
         self.end = headroom           # common end of every row's valid columns
+        self.version = 0              # bumped by every change but a decode step's column (run-ahead keys)
 
     # ----- geometry ---------------------------------------------------------------------------------
 
@@ -51,6 +52,7 @@ class KVPool:
         need_left = max(longest - self.end, 0)
         if rows <= self.row_capacity and need_left == 0 and self.end + extra <= self.column_capacity:
             return
+        self.version += 1
         span = self.end - used_from                          # columns holding valid tokens
         new_end = max(span, longest) + self.headroom
         needed = new_end + extra + self.headroom
@@ -73,6 +75,7 @@ class KVPool:
 
     def add_rows(self, lengths: list[int]) -> list[int]:
         """Reserve slots for rows of the given lengths (ending at `end`); returns their slots."""
+        self.version += 1
         slots = list(range(self.rows, self.rows + len(lengths)))
         old_first = min(self.start, default=self.end)
         starts = [self.end - n for n in lengths]
@@ -87,6 +90,7 @@ class KVPool:
 
     def write_segments(self, slot: int, segments: list[torch.Tensor], first_column: int) -> None:
         """Copy trie segments ([L, 2, H, T, D] each) into a slot, from `first_column` on."""
+        self.version += 1
         col = first_column
         for s in segments:
             self.data[:, :, slot, :, col:col + s.shape[3]].copy_(s)
@@ -95,11 +99,13 @@ class KVPool:
     def clear(self) -> None:
         """Drop every row (the tensor stays allocated for the next ones)."""
         self.rows, self.start, self.end = 0, [], self.headroom
+        self.version += 1
 
     def remove_row(self, slot: int) -> int | None:
         """Free a slot, moving the last row into it to keep slots dense; returns the moved row's old
         slot (its new slot is `slot`), or None. Only the moved row's valid columns are copied: the
         slot's columns left of them still hold the freed row's finite values (the invariant above)."""
+        self.version += 1
         last = self.rows - 1
         moved = None
         if slot != last:

@@ -48,6 +48,16 @@ class Row:
 
     slot: int
     live: bool = True
+    # After a decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the row's logits under
+    # the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`); else None.
+    device_picks: tuple | None = None
+
+    def device_pick(self, mask: int) -> int | None:
+        """The device's greedy pick for the row's last logits under greedy mask `mask`, if it made one."""
+        if self.device_picks is None:
+            return None
+        picks, i = self.device_picks
+        return picks(mask, i)
 
 
 @dataclass(eq=False)
@@ -64,7 +74,8 @@ class Scheduler:
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[_Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
-    decodes: dict[int, tuple[int, asyncio.Future]] = field(default_factory=dict)  # id(row) -> (token, future)
+    # id(row) -> (token, the greedy mask its next pick will likely use or None, future)
+    decodes: dict[int, tuple[int, int | None, asyncio.Future]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.pool = self.runner.new_pool()
@@ -87,10 +98,13 @@ class Scheduler:
                 self.release(future.result()[1])
             raise
 
-    async def decode(self, row: Row, token: int) -> torch.Tensor:
+    async def decode(self, row: Row, token: int, ahead: int | None = None) -> torch.Tensor:
+        """The logits after feeding `token` to the row. `ahead`: the greedy mask (see
+        `ModelRunner.set_greedy_masks`) the row's next pick will likely use, so that the GPU may run the
+        following step ahead on the device's own picks while the host checks its constraint."""
         assert row.live, "decode on a row that left the batch"
         future = self._loop().create_future()
-        self.decodes[id(row)] = (token, future)
+        self.decodes[id(row)] = (token, ahead, future)
         self._wake.set()
         return await future
 
@@ -230,19 +244,22 @@ class Scheduler:
     def _decode_step(self) -> None:
         started = time.perf_counter()
         tokens = [self.decodes[id(row)][0] for row in self.rows]
+        ahead = [self.decodes[id(row)][1] for row in self.rows]
         self.pool.make_room(self.pool.rows, 0, extra=1)
-        logits = self._decode(slice(0, len(self.rows)), tokens)
+        logits = self._decode(slice(0, len(self.rows)), tokens, ahead)
+        picks = self.runner.picks
         cached = sum(self.pool.length(row.slot) for row in self.rows)
         self.pool.end += 1
         self._report("decode", len(tokens), len(tokens), cached, started)
-        for row, row_logits in zip(list(self.rows), logits):
-            _, future = self.decodes.pop(id(row))
+        for i, (row, row_logits) in enumerate(zip(list(self.rows), logits)):
+            _, _, future = self.decodes.pop(id(row))
+            row.device_picks = None if picks is None else (picks, i)
             if not future.done():
                 future.set_result(row_logits)
 
-    def _decode(self, rows: slice, tokens: list[int]) -> torch.Tensor:
+    def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None) -> torch.Tensor:
         try:
-            return self.runner.decode(self.pool, rows, tokens)
+            return self.runner.decode(self.pool, rows, tokens, ahead)
         except torch.OutOfMemoryError:
             n = rows.stop - rows.start
             if n == 1:
@@ -257,7 +274,7 @@ class Scheduler:
             if not w.future.done():
                 w.future.set_exception(error)
         self.waiting.clear()
-        for _, future in self.decodes.values():
+        for _, _, future in self.decodes.values():
             if not future.done():
                 future.set_exception(error)
         self.decodes.clear()
