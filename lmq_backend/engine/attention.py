@@ -13,8 +13,22 @@ kernel never expands K/V for GQA (SmolLM2-135M, 8 rows of ~500 columns, 30 layer
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Every backend of torch's fused attention but cuDNN's: cuDNN builds an execution plan for every new shape
+# (measured on an H200, Llama-3.2-1B shape: ~1 s of host time in the first prefill of each new prompt
+# length, where flash attention's costs nothing), and a query engine sees a new length at every call.
+_GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def model_attention(device: torch.device):
+    """The context the engine runs the model's forwards in: on a GPU, torch's fused attention without the
+    cuDNN backend (see _GPU_BACKENDS); on the CPU, nothing to change."""
+    return sdpa_kernel(_GPU_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

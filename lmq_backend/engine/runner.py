@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat
+from .attention import model_attention
 from .kv_pool import KVPool
 
 
@@ -50,6 +51,11 @@ class ModelRunner:
         if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the pool's address
             return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device, rows=self.max_batch, columns=4096)
         return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device)
+
+    def _forward(self, *args, **kwargs):
+        """The model's own forward (`compat.forward`), with the engine's choice of attention backends."""
+        with model_attention(self.device):
+            return compat.forward(self.model, *args, **kwargs)
 
     def set_greedy_masks(self, masks: list[torch.Tensor | None]) -> None:
         """Token masks (bool [V], None: every token) under which fused GPU steps also pick greedily on the
@@ -126,7 +132,7 @@ class ModelRunner:
         ragged = padded or any(n != longest for n in lengths)
         cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width,
                                   write.to(self.device) if padded else None)
-        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device) if ragged else None,
+        logits, _ = self._forward(ids.to(self.device), mask.to(self.device) if ragged else None,
                                    positions.to(self.device), cache)
         return logits[:, -1].float(), slots
 
@@ -151,7 +157,7 @@ class ModelRunner:
             mask = mask.to(self.device)
         positions = torch.tensor([[pool.end - s] for s in starts])
         cache = compat.pool_cache(pool, rows, first, length)
-        logits, _ = compat.forward(self.model, torch.tensor(tokens)[:, None].to(self.device),
+        logits, _ = self._forward(torch.tensor(tokens)[:, None].to(self.device),
                                    mask, positions.to(self.device), cache)
         return logits[:, -1].float()
 
@@ -174,7 +180,7 @@ class ModelRunner:
         positions = torch.arange(n, n + width)[None].expand(b, -1)
         layers = [(prefix[i, 0][None].expand(b, -1, -1, -1), prefix[i, 1][None].expand(b, -1, -1, -1))
                   for i in range(prefix.shape[0])]
-        logits, _ = compat.forward(self.model, ids.to(self.device), mask.to(self.device), positions.to(self.device),
+        logits, _ = self._forward(ids.to(self.device), mask.to(self.device), positions.to(self.device),
                                    compat.make_cache(layers), logits_to_keep=width)
         logp = torch.log_softmax(logits.float(), dim=-1)
         for r, (i, o) in enumerate(rows):
