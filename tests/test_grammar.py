@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import textwrap
-import time
 
 import pytest
 
@@ -401,17 +400,6 @@ def test_spans():
     assert q.body[1].pieces[1].span == Span(3, 8)
     assert q.body[1].where.span == Span(3, 19)
     assert q.body[2].span == Span(4, 5)
-
-
-def test_parse_speed():
-    lines = ["argmax"] + [f'    "line {i}: {{x}} [V{i}]" where STOPS_AT(V{i}, "\\n") and len(V{i}) < 20'
-                          for i in range(28)] + ['from "default"']
-    text = "\n".join(lines)
-    parse_query(text)
-    t = time.perf_counter()
-    for _ in range(10):
-        parse_query(text)
-    assert (time.perf_counter() - t) / 10 < 0.05
 
 
 @pytest.mark.parametrize("text", EXAMPLES)
