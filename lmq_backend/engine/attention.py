@@ -1,4 +1,5 @@
-"""Attention for the torch path (CPU): grouped-query attention straight on the pool's K/V views.
+"""Attention for the model's own forwards (prefills; decode steps of models without a fused step):
+grouped-query attention straight on the pool's K/V views.
 
 Hugging Face's sdpa path copies K/V of a batch up to three times per layer (non-contiguous views,
 `repeat_kv` for GQA); on a CPU, where a batch of rows sharing a long cached prefix is memory-bound,
@@ -10,6 +11,11 @@ against 23 ms for a masked softmax over explicit scores).
 A single query per row (a decode step) folds each kv head's group of query heads into the query axis:
 [B, Hq, 1, D] is read as [B, Hkv, Hq/Hkv, D], plain attention of Hq/Hkv queries over one kv head, so the
 kernel never expands K/V for GQA (SmolLM2-135M, 8 rows of ~500 columns, 30 layers: 15 vs 20 ms a step).
+
+Without padding the model's forward passes no mask (`compat.pool_mask`): the T new queries attend causally
+to the S columns ending with theirs, whatever came from the cache before them. On a GPU that is flash
+attention with a lower-right causal bias; Hugging Face's own mask for it (T != S after a cache hit) is an
+explicit [T, S] tensor, which rules flash attention out.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 # Every backend of torch's fused attention but cuDNN's: cuDNN builds an execution plan for every new shape
 # (measured on an H200, Llama-3.2-1B shape: ~1 s of host time in the first prefill of each new prompt
@@ -38,11 +45,9 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     None for plain causal attention of the T queries ending at column S. A query that may attend to
     nothing (a padding position) gets zeros. Returns ([B, T, Hq, D], None)."""
     t, s = query.shape[2], key.shape[2]
+    cuda = query.device.type == "cuda"
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # an additive float mask: 0 where allowed
-    if attention_mask is None and t > 1:  # causal, aligned to the last column (SDPA's is_causal is not)
-        last = torch.arange(s - t, s, device=query.device)[:, None]
-        attention_mask = torch.arange(s, device=query.device)[None, :] <= last
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     if t == 1 and hq != hkv and (attention_mask is None or attention_mask.shape[1] == 1):
@@ -51,6 +56,15 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         out = F.scaled_dot_product_attention(query.reshape(b, hkv, hq // hkv, d), key, value,
                                              attn_mask=attention_mask, scale=scaling)
         return out.reshape(b, 1, hq, d), None
+    if attention_mask is None and t > 1:  # causal, aligned to the last column (SDPA's is_causal is not)
+        if cuda:  # flash attention takes the lower-right causal bias as it is
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t, s),
+                                                 scale=scaling, enable_gqa=hq != hkv)
+            return out.transpose(1, 2), None
+        last = torch.arange(s - t, s, device=query.device)[:, None]
+        attention_mask = torch.arange(s, device=query.device)[None, :] <= last
+    if cuda and hq != hkv:  # a masked batch runs the memory-efficient kernel, which has no GQA: expand K/V
+        key, value = (x.repeat_interleave(hq // hkv, dim=1) for x in (key, value))
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         enable_gqa=hq != hkv)
+                                         enable_gqa=key.shape[1] != hq)
     return out.transpose(1, 2), None

@@ -88,16 +88,28 @@ def pool_cache(pool, rows: slice, first: int, length: int, write: torch.Tensor |
 POOL_ATTENTION = "lmq_grouped"
 
 
+def pool_mask(**kwargs):
+    """The mask function of lmq's attention: None (plain causal attention of the new tokens, aligned to the
+    last column) when nothing is padded, where transformers' sdpa mask would build an explicit one after a
+    cache hit; otherwise transformers' sdpa mask. transformers calls mask functions by keyword (5.17+)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and kwargs.get("mask_function") is causal_mask_function):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 def use_grouped_attention(model) -> bool:
     """Route the model's attention through `attention.grouped_attention` (with sdpa's boolean masks).
     Returns False, leaving the model as it is, where this transformers version or model cannot."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     from .attention import grouped_attention
 
     AttentionInterface.register(POOL_ATTENTION, grouped_attention)
-    AttentionMaskInterface.register(POOL_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(POOL_ATTENTION, pool_mask)
     try:
         model.set_attn_implementation(POOL_ATTENTION)
     except (ValueError, AttributeError, KeyError):

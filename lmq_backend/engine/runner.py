@@ -44,8 +44,7 @@ class ModelRunner:
         self._decoder = None  # (FusedDecoder, the pool tensor it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self.picks = None     # the last decode step's greedy picks on the device (`DevicePicks`), or None
-        if self.device.type == "cpu":
-            compat.use_grouped_attention(model)
+        compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
 
     def new_pool(self) -> KVPool:
         if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the pool's address
