@@ -110,9 +110,10 @@ def available() -> bool:
 
 
 def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
-               rows: tuple[int, int] = (MIN_ROWS, MAX_ROWS)) -> bool:
-    """out (+)= x @ w_t with the small-M kernel; False (nothing computed) if it cannot run these operands
-    or x's row count is outside `rows` (inclusive)."""
+               bias: torch.Tensor | None = None, rows: tuple[int, int] = (MIN_ROWS, MAX_ROWS)) -> bool:
+    """out (+)= x @ w_t with the small-M kernel (with `bias`: out = bias + x @ w_t, each sum starting from
+    the bias); False (nothing computed, `out` untouched) if it cannot run these operands or x's row count
+    is outside `rows` (inclusive)."""
     m, k = x.shape
     if not rows[0] <= m <= rows[1]:
         return False
@@ -124,6 +125,9 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
             or x.device.type != "cpu" or w_t.shape[0] != k or out.shape != (m, n)
             or x.stride(1) != 1 or w_t.stride(1) != 1 or out.stride(1) != 1):
         return False
+    if bias is not None:
+        out.copy_(bias.expand_as(out))
+        accumulate = True
     lib.lmq_small_m_gemm(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(0), out.data_ptr(), out.stride(0),
                          m, k, n, int(accumulate), torch.get_num_threads())
     return True

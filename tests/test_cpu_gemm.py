@@ -30,6 +30,17 @@ def test_matches_float64_reference(m, k, n, accumulate):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
+def test_bias_starts_the_sums():
+    w = k_major(70, 48, seed=4)
+    x, bias = torch.randn(3, 48), torch.randn(70)
+    out = torch.full((3, 70), float("nan"))
+    assert cpu_gemm.small_m_mm(x, w.t(), out, bias=bias)
+    torch.testing.assert_close(out, bias + x @ w.t(), rtol=1e-5, atol=1e-4)
+    untouched = torch.zeros(1, 70)
+    assert not cpu_gemm.small_m_mm(x[:1], w.t(), untouched, bias=bias)   # declined: out left as it was
+    assert untouched.eq(0).all()
+
+
 def test_strided_rows_of_x_and_out():
     w = k_major(96, 64, seed=1)
     big_x, big_out = torch.randn(4, 100), torch.zeros(4, 120)

@@ -393,12 +393,8 @@ class FusedDecoder:
         """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
         small-M kernel (`lmq_kernels.cpu_gemm`: K-major weights at close to memory speed, each output one
         FMA chain whatever the batch), one row or more than 8 through BLAS."""
-        if not self.cuda:
-            if bias is not None:  # the sums start from the bias
-                out.copy_(bias.expand_as(out))
-                accumulate, bias = True, None
-            if cpu_gemm.small_m_mm(a, w.t(), out, accumulate=accumulate):
-                return
+        if not self.cuda and cpu_gemm.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
+            return
         if accumulate:
             out.addmm_(a, w.t())
         elif bias is not None:
