@@ -5,7 +5,8 @@ For SmolLM2-135M- and Llama-3.2-1B-shaped models, batch 1 and 16:
   fused  lmq FusedDecoder.step (CUDA graphs), the whole step incl. input copies; `graph` = replay alone
   floor  (weight bytes + K/V bytes of the step) / 4.3 TB/s
 Then end-to-end on the 1B shape: a 2,050-token prompt + 32 greedy new tokens, HF `generate` vs
-(HF forward prefill straight into the pool + 31 fused steps, argmax on the GPU).
+(lmq's fused prefill into the pool + 31 fused steps, argmax on the GPU), and the prefill alone: fused vs
+HF forward (K/V copied into the pool).
 Then a kernel-time breakdown of one eager fused step (torch.profiler) for the 1B shape.
 
 Run:  python benchmarks/bench_fused_decode.py [--quick]
@@ -168,8 +169,13 @@ def bench_e2e(model, prompt_len: int, new: int):
     dec = FusedDecoder(model, pool, max_batch=1, use_graphs=True)
     start = torch.zeros(1, dtype=torch.int32, device=dev)
 
+    rows = [(ids[0].tolist(), 0)]
+
+    def fused_prefill():
+        return dec.prefill(rows, 0, prompt_len)
+
     def fused():
-        tok = prefill_into_pool(model, ids, pool).argmax(-1)
+        tok = fused_prefill().argmax(-1)
         out = [tok]
         pos = torch.full((1,), prompt_len, dtype=torch.long, device=dev)
         for i in range(new - 1):
@@ -191,9 +197,10 @@ def bench_e2e(model, prompt_len: int, new: int):
     out_hf = hf()[0, prompt_len:]
     out_f = fused()
     # prefill alone, for the split
-    t_pre = min(timed(lambda: prefill_into_pool(model, ids, pool))[0] for _ in range(3))
+    t_pre_hf = min(timed(lambda: prefill_into_pool(model, ids, pool))[0] for _ in range(3))
+    t_pre = min(timed(fused_prefill)[0] for _ in range(3))
     same = int((out_hf == out_f).long().cumprod(0).sum())
-    return t_hf, t_f, t_first, t_pre, same
+    return t_hf, t_f, t_first, t_pre, t_pre_hf, same
 
 
 @torch.inference_mode()
@@ -280,9 +287,10 @@ def main():
                         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
                     except Exception as exc:
                         print(f"  profile table failed: {exc!r}")
-            t_hf, t_f, t_first, t_pre, same = bench_e2e(model, 2050, 32)
+            t_hf, t_f, t_first, t_pre, t_pre_hf, same = bench_e2e(model, 2050, 32)
             print(f"end-to-end {shape}, 2050-token prompt + 32 greedy tokens (B=1): HF generate {t_hf:.1f} ms | "
-                  f"HF prefill into pool + 31 fused steps {t_f:.1f} ms (prefill alone {t_pre:.1f} ms; first run "
+                  f"fused prefill + 31 fused steps {t_f:.1f} ms (prefill alone {t_pre:.1f} ms, HF forward prefill "
+                  f"{t_pre_hf:.1f} ms; first run "
                   f"incl. graph capture {t_first:.1f} ms) | speed-up {t_hf / t_f:.2f}x | decode part "
                   f"{(t_hf - t_pre) / max(t_f - t_pre, 1e-6):.1f}x | identical leading tokens {same}/32", flush=True)
         del model, decs

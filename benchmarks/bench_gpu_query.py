@@ -1,5 +1,6 @@
 """End-to-end query on the GPU (issue: fused decode): a 2,050-token prompt, then 32 greedy tokens, through
-lmq (HF forward prefill into the KV pool + fused, CUDA-graph captured decode steps) against HF `generate`.
+lmq (fused prefill into the KV pool + fused, CUDA-graph captured decode steps) against HF `generate`; and the
+same engine with its prefills through the model's own forward.
 Random weights of a Llama-3.2-1B shape in bf16; speed does not depend on weight values.
 
     python benchmarks/bench_gpu_query.py --tokenizer DIR [--shape llama-1b] [--runs 5]
@@ -88,6 +89,10 @@ def main() -> None:
     backend.runner.set_greedy_masks(None)  # the same engine without running ahead (every step waits for the host)
     cold_plain, warm_plain = lmq_runs("b")
     backend.runner.set_greedy_masks(masks)
+    fused_prefill = backend.runner.fused_prefill
+    backend.runner.fused_prefill = False  # prefills through the model's own forward (the HF path)
+    cold_hf_prefill, _ = lmq_runs("c")
+    backend.runner.fused_prefill = fused_prefill
     prompt_len = len(backend.vocab.encode(f"Run 0. {base}"))
 
     hf_ids = torch.tensor([backend.vocab.encode(f"Run 0. {base}")], device="cuda")
@@ -113,6 +118,8 @@ def main() -> None:
           f"{med(hf) / med(t for t, _ in cold_plain):5.1f}x")
     print(f"{'  no run-ahead, cached':<28} {med(t for t, _ in warm_plain) * 1e3:8.1f} ms   "
           f"{med(hf) / med(t for t, _ in warm_plain):5.1f}x")
+    print(f"{'  model-forward prefill, new':<28} {med(t for t, _ in cold_hf_prefill) * 1e3:8.1f} ms   "
+          f"{med(hf) / med(t for t, _ in cold_hf_prefill):5.1f}x")
     print(ahead_stats)
 
 

@@ -1,7 +1,9 @@
 """The model runner: batched forwards of a Hugging Face causal LM over the rows of a `KVPool`.
 
-Prefill (many new tokens per row) and decode (one token per row) both run through the model's normal
-forward, with a transformers cache that reads and writes the pool in place (`compat.pool_cache`). K/V
+Prefill (many new tokens per row) and decode (one token per row) run through the model's normal forward,
+with a transformers cache that reads and writes the pool in place (`compat.pool_cache`), except for
+Llama-family models: their decode steps run lmq's fused step (`fused_decode.py`), and on a GPU so do
+their prefills (`FusedDecoder.prefill`, the same layer loop over many tokens). K/V
 leave the pool for the prefix trie as `pool.segment(...)` views in the trie layout `[L, 2, H, T, D]`.
 """
 from __future__ import annotations
@@ -27,9 +29,10 @@ class PrefillRow:
 class ModelRunner:
     """Runs the model's forwards for the scheduler. Decode steps of Llama-family models go through the fused
     `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
-    the growable pool on the CPU. Other models, and prefills, run the model's own forward."""
+    the growable pool on the CPU; on a GPU their prefills run its layer loop too (`fused_prefill`). Other
+    models, and CPU prefills, run the model's own forward."""
 
-    def __init__(self, model, max_batch: int = 64, fused: bool | None = None):
+    def __init__(self, model, max_batch: int = 64, fused: bool | None = None, fused_prefill: bool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -39,6 +42,12 @@ class ModelRunner:
         if fused is None:
             fused = _fused_supports(model)
         self.fused = fused
+        # Prefills of Llama-family models on a GPU run the fused step's layer loop (`FusedDecoder.prefill`):
+        # the model's forward there is host-bound (see bench_gpu_query.py). On the CPU the forward's
+        # Python costs little next to its GEMMs, and it stays the reference.
+        self.fused_prefill = fused and self.device.type == "cuda" if fused_prefill is None else fused_prefill
+        if self.fused_prefill and not fused:
+            raise ValueError("fused_prefill needs the fused decoder (a supported Llama-family model)")
         if fused:  # lay the weights out now: every forward, the first prefill included, reads the same layout
             _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the pool tensor it was built on)
@@ -113,6 +122,9 @@ class ModelRunner:
             # of ~10 ms of Python for the forward of one token).
             tokens = [r.ids[0] for r in rows]
             return self._fused_decoder(pool).step_host(tokens, pool.start[: pool.rows], pool.end - 1).float(), slots
+        if self.fused_prefill:
+            logits = self._fused_decoder(pool).prefill([(r.ids, r.cached) for r in rows], slots[0], pool.end)
+            return logits.float(), slots
         b, first = len(rows), pool.end - longest
         ids = torch.zeros(b, width, dtype=torch.long)
         write = torch.zeros(b, width, dtype=torch.bool)
