@@ -13,7 +13,7 @@
  * the batch (a decode step gives each row the same logits batched as alone).
  *
  * Built at first use with the machine's C compiler (-march=native: AVX-512, AVX2 or whatever the CPU
- * has; GCC's vector extensions), see cpu_gemm.py. OpenMP: the process's runtime (torch's libgomp).
+ * has; GCC's vector extensions), see cpu.py. OpenMP: the process's runtime (torch's libgomp).
  */
 #include <string.h>
 #include <omp.h>

@@ -41,9 +41,10 @@ Eager: every prefill has new shapes. Measured inside a query on an H200, Llama-3
 tokens: 12-16 ms (184 launches, 9.2 ms of GPU work) where the model's forward takes 24-31 ms (700 launches,
 11.9 ms of GPU work, the rest waiting on Python).
 
-On a CPU the same step runs eagerly, exactly B rows, with torch ops for the small kernels and grouped-query
-attention over the pool's columns [min(start), end] read in place (`attention.py`); the weights are the model's own,
-stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
+On a CPU the same step runs eagerly, exactly B rows, with torch ops for the small kernels, lmq's C kernels for
+the GEMMs of 2-8 rows and the attention of 2 rows or more (`lmq_kernels.cpu`), torch's grouped-query attention
+over the pool's columns [min(start), end] read in place for one row (`attention.py`); the weights are the
+model's own, stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
 500-token context, 2 cores: 39 vs 47 ms a step at batch 1, 85 vs 126 ms at batch 8).
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmq_kernels import cpu_gemm, decode_attention
+from lmq_kernels import cpu, decode_attention
 
 from ..paths import cache_dir
 from .attention import grouped_attention, model_attention
@@ -354,9 +355,9 @@ class FusedDecoder:
         # the small ops and attention as Triton kernels (on a CPU only under TRITON_INTERPRET=1, where the
         # tests check them against the torch ops that serve the CPU otherwise)
         self.triton = self.cuda
-        if not self.cuda:  # build (once per machine) or load the small-M GEMM now, not in the first step
-            cpu_gemm.configure(cache_dir() / "kernels")
-            cpu_gemm.available()
+        if not self.cuda:  # build (once per machine) or load the CPU kernels now, not in the first step
+            cpu.configure(cache_dir() / "kernels")
+            cpu.available()
 
         w = decoder_weights(model)
         self.embed, self.final_norm, self.final_eps, self.lm_head = w.embed, w.final_norm, w.final_eps, w.lm_head
@@ -411,9 +412,9 @@ class FusedDecoder:
     def _mm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
             bias: torch.Tensor | None = None) -> None:
         """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
-        small-M kernel (`lmq_kernels.cpu_gemm`: K-major weights at close to memory speed, each output one
+        small-M kernel (`lmq_kernels.cpu`: K-major weights at close to memory speed, each output one
         FMA chain whatever the batch), one row or more than 8 through BLAS."""
-        if not self.cuda and cpu_gemm.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
+        if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
             return
         if accumulate:
             out.addmm_(a, w.t())
@@ -496,16 +497,21 @@ class FusedDecoder:
         """What every layer of a CPU step shares: RoPE's cos/sin and the padding mask (None without padding)."""
         self._set_rope(self.positions[:bp])
         first, end1 = self._first_int, self._end_int + 1
+        self._starts = self.start[:bp] - first  # each row's first column, from `first` on
         self._allowed = None  # every row attends to every column read
         if bool((self.start[:bp] != first).any()):
             cols = torch.arange(first, end1)
             self._allowed = (cols[None] >= self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
 
     def _attend_cpu(self, l: int, bp: int, scaling: float) -> None:
-        """The model's CPU attention (`attention.py`) over columns [first, end] of the pool, read in place;
-        like the model's forward it relies on the pool's invariant that those columns hold finite values."""
+        """Attention over columns [first, end] of the pool, read in place: 2 rows or more through lmq's C
+        kernel (`lmq_kernels.cpu.attention`: each row from its own first column), else the model's CPU
+        attention (`attention.py`), which relies on the pool's invariant that those columns hold finite
+        values."""
         first, end1 = self._first_int, self._end_int + 1
         k, v = self.k_cache[l][:bp, :, first:end1], self.v_cache[l][:bp, :, first:end1]
+        if cpu.attention(self.q[:bp], k, v, self._starts, self.attn[:bp], scaling):
+            return
         out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._allowed, scaling)  # [bp, 1, Hq, D]
         self.attn[:bp].copy_(out[:, 0])
 

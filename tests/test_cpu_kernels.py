@@ -1,0 +1,160 @@
+"""lmq's CPU kernels (`lmq_kernels.cpu`), built with the machine's C compiler: the small-M GEMM and the
+decode attention, each checked against a float64 reference and row-independent bit for bit (a row's result
+does not depend on the batch around it, nor on the thread count)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmq_kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler / not Linux: the kernels are not built")
+
+ANY_ROWS = (1, 64)
+
+
+def k_major(n: int, k: int, seed: int) -> torch.Tensor:
+    """A [N, K] weight stored K-major, as lmq's CPU path stores the model's Linear weights."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g).t().contiguous().t()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 960), (5, 100, 70), (8, 1536, 576), (8, 7, 33),
+                                   (11, 96, 128), (17, 40, 1000)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matches_float64_reference(m, k, n, accumulate):
+    w = k_major(n, k, seed=m + k + n)
+    x = torch.randn(m, k)
+    out = torch.randn(m, n)
+    expected = (out.double() if accumulate else 0) + x.double() @ w.double().t()
+    assert cpu.small_m_mm(x, w.t(), out, accumulate=accumulate, rows=ANY_ROWS)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_bias_starts_the_sums():
+    w = k_major(70, 48, seed=4)
+    x, bias = torch.randn(3, 48), torch.randn(70)
+    out = torch.full((3, 70), float("nan"))
+    assert cpu.small_m_mm(x, w.t(), out, bias=bias)
+    torch.testing.assert_close(out, bias + x @ w.t(), rtol=1e-5, atol=1e-4)
+    untouched = torch.zeros(1, 70)
+    assert not cpu.small_m_mm(x[:1], w.t(), untouched, bias=bias)   # declined: out left as it was
+    assert untouched.eq(0).all()
+
+
+def test_strided_rows_of_x_and_out():
+    w = k_major(96, 64, seed=1)
+    big_x, big_out = torch.randn(4, 100), torch.zeros(4, 120)
+    x, out = big_x[:, 10:74], big_out[:, 3:99]          # rows with strides 100 and 120
+    assert cpu.small_m_mm(x, w.t(), out)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-4)
+    assert big_out[:, :3].eq(0).all() and big_out[:, 99:].eq(0).all()   # nothing written outside
+
+
+def test_a_row_gives_the_same_bits_in_any_batch():
+    """Each output is one FMA chain over k in order: batch size, batch mates and thread split change nothing."""
+    w = k_major(1000, 576, seed=2)                      # 1000 = 31 blocks of 32 columns + a tail of 8
+    x = torch.randn(8, 576)
+    full = torch.empty(8, 1000)
+    assert cpu.small_m_mm(x, w.t(), full)
+    for rows in ([3, 0], [5, 1, 7], [6, 2, 4, 3, 1]):
+        part = torch.empty(len(rows), 1000)
+        assert cpu.small_m_mm(x[rows], w.t(), part)
+        assert torch.equal(part, full[rows])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = torch.empty(8, 1000)
+        assert cpu.small_m_mm(x, w.t(), one_thread)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, full)
+
+
+def test_declines_what_it_does_not_compute():
+    w = k_major(64, 32, seed=3)
+    out = torch.zeros(4, 64)
+    assert not cpu.small_m_mm(torch.randn(1, 32), w.t(), out[:1])            # one row: BLAS's GEMV
+    assert not cpu.small_m_mm(torch.randn(9, 32), w.t(), torch.zeros(9, 64))  # > 8 rows: BLAS
+    assert not cpu.small_m_mm(torch.randn(4, 32).double(), w.t().double(), out.double())
+    assert not cpu.small_m_mm(torch.randn(4, 32), w.contiguous().t(), out)   # row-major weight
+    assert out.eq(0).all()
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+def attention_case(B, Hq, Hkv, S, D, seed, pad=5):
+    """q [B, Hq, D]; k, v strided views [B, Hkv, S, D] of a pool with `pad` columns on each side that hold
+    NaN (never to be read); starts int32 [B] (the first row from column 0, another with one column)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.full((2, B + 1, Hkv, S + 2 * pad, D), float("nan"))
+    starts = torch.randint(0, S, (B,), generator=g, dtype=torch.int32)
+    starts[0] = 0
+    starts[-1] = S - 1
+    for b in range(B):
+        pool[:, b, :, pad + int(starts[b]):pad + S] = torch.randn(2, Hkv, S - int(starts[b]), D, generator=g) * 2
+    k, v = pool[0, :B, :, pad:pad + S], pool[1, :B, :, pad:pad + S]
+    q = torch.randn(B, Hq, D + 16, generator=g)[..., :D]     # strided rows
+    return q, k, v, starts
+
+
+def attention_reference(q, k, v, starts, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    G = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        s0 = int(starts[b])
+        kk = k[b, :, s0:].double().repeat_interleave(G, 0)            # [Hq, n, D]
+        vv = v[b, :, s0:].double().repeat_interleave(G, 0)
+        p = torch.softmax((kk @ q[b].double()[:, :, None])[..., 0] * scale, -1)  # [Hq, n]
+        out[b] = (p[:, None] @ vv)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D", [(2, 9, 3, 50, 64), (3, 8, 2, 17, 128), (4, 4, 4, 33, 64),
+                                           (2, 16, 2, 70, 256), (5, 6, 1, 1, 64)])
+def test_attention_matches_reference(B, Hq, Hkv, S, D):
+    q, k, v, starts = attention_case(B, Hq, Hkv, S, D, seed=B * S + D)
+    out = torch.full((B, Hq, D), float("nan"))
+    assert cpu.attention(q, k, v, starts, out, D ** -0.5)
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, starts, D ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_attention_rows_are_independent_bitwise():
+    """A row gets the same bits in any batch and on any number of threads."""
+    q, k, v, starts = attention_case(6, 9, 3, 90, 64, seed=3)
+    full = torch.empty(6, 9, 64)
+    assert cpu.attention(q, k, v, starts, full, 0.125)
+    for rows in (slice(0, 2), slice(2, 5), slice(4, 6)):
+        part = torch.empty(rows.stop - rows.start, 9, 64)
+        assert cpu.attention(q[rows], k[rows], v[rows], starts[rows].contiguous(), part, 0.125)
+        assert torch.equal(part, full[rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = torch.empty(6, 9, 64)
+        assert cpu.attention(q, k, v, starts, one_thread, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, full)
+
+
+def test_attention_clamps_starts():
+    q, k, v, starts = attention_case(3, 4, 2, 20, 64, seed=4)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    out = torch.full((3, 4, 64), float("nan"))
+    assert cpu.attention(q, k, v, torch.tensor([-7, 20, 25], dtype=torch.int32), out, 0.125)
+    want = attention_reference(q[:1], k[:1], v[:1], torch.tensor([0]), 0.125)[0]
+    torch.testing.assert_close(out[0].double(), want, atol=2e-6, rtol=1e-5)   # from column 0
+    assert torch.equal(out[1:], torch.zeros(2, 4, 64))                       # no column: zeros
+
+
+def test_attention_declines():
+    q, k, v, starts = attention_case(3, 4, 2, 20, 64, seed=5)
+    out = torch.zeros(3, 4, 64)
+    assert not cpu.attention(q[:1], k[:1], v[:1], starts[:1].contiguous(), out[:1], 0.125)  # one row: torch's
+    assert not cpu.attention(q.double(), k.double(), v.double(), starts, out.double(), 0.125)
+    assert not cpu.attention(q, k, v, starts.long(), out, 0.125)
+    assert not cpu.attention(q[..., :32], k[..., :32], v[..., :32], starts, out[..., :32], 0.125)  # head dim 32
+    assert not cpu.attention(q[:, :3], k, v, starts, out[:, :3], 0.125)                            # 3 % 2 heads
+    assert not cpu.attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, starts, out, 0.125)
+    assert torch.equal(out, torch.zeros(3, 4, 64))
