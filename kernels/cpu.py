@@ -2,11 +2,12 @@
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
     attention(q, k, v, start, out, scale) -> bool                    one query a row, GQA (cpu_attention.c)
+    rmsnorm(x, w, eps, out), silu_mul(gu, out), rope_append(...) -> bool   the step's small ops (cpu_ops.c)
 
 `small_m_mm`: `x` [M, K] and `out` [M, N] float32 with contiguous rows, `w_t` [K, N] float32 contiguous (a
 Linear weight stored K-major, transposed). `attention`: float32 q [B, Hq, D], k and v [B, Hkv, S, D] (the
-KV pool's views, any strides but the last), out [B, Hq, D]; row b attends to columns [start[b], S). Each
-returns False, computing nothing, when it cannot run (no C compiler, a failed
+KV pool's views, any strides but the last), out [B, Hq, D]; row b attends to columns [start[b], S). The small
+ops take float32 rows with a contiguous last dimension (see each). Each returns False, computing nothing, when it cannot run (no C compiler, a failed
 build, not Linux, LMQ_CPU_KERNELS=0, operands it does not take, a row count outside its range): the caller
 then uses torch.
 
@@ -27,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_ops.c")]
+HEADERS = [Path(__file__).with_name("cpu_simd.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 # The rows the GEMM takes: BLAS's GEMV is as fast at one row (a single weight stream; the kernel is ~1.5 ms
 # slower over SmolLM2-135M's 30 layers), and its blocked GEMM is faster above 8 rows (one pass of the kernel)
@@ -70,7 +72,7 @@ def _build(directory: Path) -> Path | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version,
                                     _cpu_flags()]).encode())
     target = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -112,6 +114,14 @@ def _load() -> ctypes.CDLL | None:
                                               ptr, c_long, c_long, c_long, ptr, ptr, c_long, c_long,
                                               c_int, c_int, c_int, c_long, c_int, ctypes.c_float, c_int]
                 lib.lmq_attention.restype = None
+                f32 = ctypes.c_float
+                lib.lmq_rmsnorm.argtypes = [ptr, c_long, ptr, ptr, c_long, c_int, c_int, f32]
+                lib.lmq_silu_mul.argtypes = [ptr, c_long, ptr, c_long, c_int, c_int]
+                lib.lmq_rope_append.argtypes = [ptr, c_long, ptr, ptr, ptr, ptr, ptr, f32, ptr, c_long, c_long,
+                                                ptr, c_long, c_long, c_long, ptr, c_long, c_long, c_long,
+                                                c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
+                for f in (lib.lmq_rmsnorm, lib.lmq_silu_mul, lib.lmq_rope_append):
+                    f.restype = None
                 _lib = lib
     return _lib
 
@@ -166,4 +176,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
                       v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
                       start.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
                       b, hq, hkv, s, d, float(scale), torch.get_num_threads())
+    return True
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> bool:
+    """out = w * (x * rsqrt(mean(x^2) + eps)) for the rows of x [M, N] (HF's RMSNorm in float32)."""
+    lib = _load()
+    if lib is None or x.dim() != 2 or out.shape != x.shape or w.shape != x.shape[1:] or not w.is_contiguous() \
+            or not _rows_ok(x, w, out):
+        return False
+    lib.lmq_rmsnorm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                    float(eps))
+    return True
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2 I], out [M, I]."""
+    lib = _load()
+    if lib is None or gu.dim() != 2 or out.dim() != 2 or gu.shape != (out.shape[0], 2 * out.shape[1]) \
+            or not _rows_ok(gu, out):
+        return False
+    lib.lmq_silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), out.stride(0), out.shape[0], out.shape[1])
+    return True
+
+
+def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, q: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: int, end: int, nrows: int) -> bool:
+    """The fused step's RoPE + K/V append (the contract of its Triton kernel, `_rope_append_kernel`): qkv
+    [N, (Hq + 2 Hkv) D] holds N = rows x `tokens` tokens, row-major; q [N, Hq, D] gets rope(qnorm(q)); token
+    t of row b writes rope(knorm(k)) and v to k_cache/v_cache [slots, Hkv, S, D] at slot b, column
+    end - (tokens - 1) + t, unless its position (int32 [N]) is negative or b >= nrows. cos, sin [N, D/2]:
+    RoPE's angles per token (rotate-half)."""
+    lib = _load()
+    if lib is None:
+        return False
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    norms = [x for x in (q_norm, k_norm) if x is not None]
+    if (qkv.shape != (n, (hq + 2 * hkv) * d) or cos.shape != (n, d // 2) or sin.shape != cos.shape
+            or not cos.is_contiguous() or not sin.is_contiguous() or positions.dtype != torch.int32
+            or positions.numel() < n or not positions.is_contiguous() or v_cache.shape != k_cache.shape
+            or k_cache.shape[3] != d or (q_norm is None) != (k_norm is None)
+            or not all(x.shape == (d,) and x.is_contiguous() for x in norms)
+            or q.stride(2) != 1 or not _rows_ok(qkv, cos, sin, q, k_cache, v_cache, *norms)):
+        return False
+    lib.lmq_rope_append(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                        q_norm.data_ptr() if q_norm is not None else None,
+                        k_norm.data_ptr() if k_norm is not None else None, float(eps),
+                        q.data_ptr(), q.stride(0), q.stride(1),
+                        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                        n, tokens, end, nrows, hq, hkv, d, torch.get_num_threads())
     return True

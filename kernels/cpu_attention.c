@@ -19,41 +19,11 @@
 #include <string.h>
 #include <omp.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int i16 __attribute__((vector_size(64)));
+#include "cpu_simd.h"
 
 #ifndef PF
 #define PF 8         /* K/V rows prefetched ahead (a task's streams are short for the hardware prefetchers) */
 #endif
-
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
-    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
-    a += __builtin_shuffle(a, (i16){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
-    return a[0];
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
- * p a degree-6 polynomial (relative error ~2e-7, like expf); x < -87 gives 0. */
-static inline v16 vexp(v16 x) {
-    const v16 lo = (v16){0} - 87.0f;
-    x = (v16)((i16)x & (x >= lo)) + (v16)((i16)lo & ~(x >= lo));   /* max(x, -87) */
-    v16 t = x * 1.44269504088896341f + 0.5f;
-    i16 n = __builtin_convertvector(t, i16);
-    n -= (i16)(__builtin_convertvector(n, v16) > t) & 1;           /* floor */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16 scale = (v16)((n + 127) << 23);
-    return (v16)((i16)(p * scale) & (x > lo));
-}
 
 /* One task: row b, kv head g. DV = D / 16, a constant in each instantiation (see lmq_attention). */
 static inline __attribute__((always_inline)) void task(
@@ -98,7 +68,7 @@ static inline __attribute__((always_inline)) void task(
         for (; c + 16 <= n; c += 16) {
             v16 x;
             memcpy(&x, s + c, 64);
-            mv = (v16)(((i16)x & (x > mv)) | ((i16)mv & ~(x > mv)));
+            mv = vselect(x > mv, x, mv);
         }
         float m = -3.0e38f;
         for (int r = 0; r < 16; r++) m = mv[r] > m ? mv[r] : m;

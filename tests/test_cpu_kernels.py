@@ -158,3 +158,59 @@ def test_attention_declines():
     assert not cpu.attention(q[:, :3], k, v, starts, out[:, :3], 0.125)                            # 3 % 2 heads
     assert not cpu.attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, starts, out, 0.125)
     assert torch.equal(out, torch.zeros(3, 4, 64))
+
+
+# ------------------------------------------------------------------------------------------------ small ops
+
+def test_rmsnorm_and_silu_mul_match_torch():
+    from lmq_backend.engine.fused_decode import _rmsnorm_torch
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 600, generator=g)[:, :576] * 3     # strided rows
+    w = torch.randn(576, generator=g)
+    out = torch.empty(5, 576)
+    assert cpu.rmsnorm(x, w, 1e-5, out)
+    torch.testing.assert_close(out, _rmsnorm_torch(x, w, 1e-5), atol=1e-6, rtol=1e-5)
+    gu = torch.randn(3, 2 * 1000, generator=g) * 6        # 1000: a tail of 8 after 62 vectors
+    gu[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-8, -1e-8, 20.0, -20.0])
+    act = torch.empty(3, 1000)
+    assert cpu.silu_mul(gu, act)
+    want = torch.nn.functional.silu(gu[:, :1000].double()) * gu[:, 1000:].double()
+    torch.testing.assert_close(act.double(), want, atol=1e-6, rtol=2e-6)
+    assert not cpu.silu_mul(gu, torch.empty(3, 999))
+    assert not cpu.rmsnorm(x.double(), w.double(), 1e-5, out.double())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
+    """The fused CPU step and prefill with lmq's C kernels (RMSNorm, RoPE + K/V append with q/k norms and left
+    padding, SiLU-mul, attention, GEMM) against the same step with torch ops (LMQ_CPU_KERNELS=0): logits and
+    every K/V written."""
+    from test_fused_decode import make_pool, tiny_llama, tiny_qwen3
+
+    from lmq_backend.engine.fused_decode import FusedDecoder
+
+    model = tiny_llama(seed=8) if arch == "llama" else tiny_qwen3(seed=8)
+    gen = torch.Generator().manual_seed(1)
+    cached = torch.randn(make_pool(model, 4, 40).shape, generator=gen)
+    rows = [(torch.randint(0, 1000, (m,), generator=gen).tolist(), c) for m, c in ((7, 0), (9, 3), (2, 1))]
+    end = 30
+    start = torch.tensor([end - c - len(ids) for ids, c in rows], dtype=torch.int32)
+    lengths = torch.tensor([c + len(ids) for ids, c in rows])
+    runs = []
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("LMQ_CPU_KERNELS", kernels)
+        pool = cached.clone()
+        dec = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
+        out = [dec.prefill(rows, 1, end).clone()]
+        steps = FusedDecoder(model, pool[:, :, 1:], max_batch=3, use_graphs=False)
+        tokens = out[0].argmax(-1)
+        for i in range(3):
+            out.append(steps.step(tokens, lengths + i, start, end + i).clone())
+            tokens = out[-1].argmax(-1)
+        runs.append((out, pool))
+    (c_out, c_pool), (torch_out, torch_pool) = runs
+    for a, b in zip(c_out, torch_out):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(c_pool, torch_pool, atol=2e-5, rtol=1e-5)
+    assert torch.equal(c_pool[:, :, 0], cached[:, :, 0])

@@ -41,8 +41,8 @@ Eager: every prefill has new shapes. Measured inside a query on an H200, Llama-3
 tokens: 12-16 ms (184 launches, 9.2 ms of GPU work) where the model's forward takes 24-31 ms (700 launches,
 11.9 ms of GPU work, the rest waiting on Python).
 
-On a CPU the same step runs eagerly, exactly B rows, with torch ops for the small kernels, lmq's C kernels for
-the GEMMs of 2-8 rows and the attention of 2 rows or more (`lmq_kernels.cpu`), torch's grouped-query attention
+On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small ops,
+the GEMMs of 2-8 rows and the attention of 2 rows or more (torch ops where the library cannot be built), torch's grouped-query attention
 over the pool's columns [min(start), end] read in place for one row (`attention.py`); the weights are the
 model's own, stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
 500-token context, 2 cores: 39 vs 47 ms a step at batch 1, 85 vs 126 ms at batch 8).
@@ -428,7 +428,7 @@ class FusedDecoder:
             rows, n = x.shape
             _rmsnorm_kernel[(rows,)](x, w, out, n, x.stride(0), out.stride(0), eps,
                                      BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
-        else:
+        elif not cpu.rmsnorm(x, w, eps, out):
             out.copy_(_rmsnorm_torch(x, w, eps))
 
     def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
@@ -437,7 +437,7 @@ class FusedDecoder:
             block = 1024
             _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0),
                                                              BLOCK=block, num_warps=4)
-        else:
+        elif not cpu.silu_mul(gu, out):
             i = out.shape[1]
             out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
 
@@ -464,19 +464,23 @@ class FusedDecoder:
                 BLOCK_T=block_t, QK_NORM=lw.q_norm is not None, num_warps=1 if block_t == 1 else 4,
             )
             return
+        last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
+        if cpu.rope_append(qkv, self._cos, self._sin, positions, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc,
+                           tokens, last - 1, n):
+            return
         hq, hkv, d = self.Hq, self.H_kv, self.D
         qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)                    # q and k heads, one RoPE
         vh = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
         if lw.q_norm is not None:
             qk = torch.cat([_rmsnorm_torch(qk[:, :hq], lw.q_norm, lw.qk_eps),
                             _rmsnorm_torch(qk[:, hq:], lw.k_norm, lw.qk_eps)], dim=1)
-        cos, signed_sin = self._cos_sin
+        cos = torch.cat((self._cos, self._cos), dim=-1)[:, None]               # [N, 1, D]
+        signed_sin = torch.cat((-self._sin, self._sin), dim=-1)[:, None]
         qkf = qk.float()
         # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]
         roped = (qkf * cos + torch.roll(qkf, d // 2, dims=-1) * signed_sin).to(self.dtype)
         q.copy_(roped[:, :hq])
         k, v = roped[:, hq:].view(rows, tokens, hkv, d), vh.view(rows, tokens, hkv, d)
-        last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
         if tokens == 1:  # a decode step: one column of every row
             kc[:n, :, last - 1].copy_(k[:n, 0])
             vc[:n, :, last - 1].copy_(v[:n, 0])
@@ -488,10 +492,9 @@ class FusedDecoder:
                 vc[b, :, last - new:last].copy_(v[b, tokens - new:].transpose(0, 1))
 
     def _set_rope(self, positions: torch.Tensor) -> None:
-        """RoPE's cos and signed sin for the tokens at `positions` (every layer of a CPU forward shares them)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None]                # [N, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        self._cos_sin = torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]  # [N, 1, D]
+        """RoPE's cos and sin [N, D/2] for the tokens at `positions` (every layer of a CPU forward shares them)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None]
+        self._cos, self._sin = freqs.cos(), freqs.sin()
 
     def _cpu_step_setup(self, bp: int) -> None:
         """What every layer of a CPU step shares: RoPE's cos/sin and the padding mask (None without padding)."""
