@@ -186,31 +186,9 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
     """The fused CPU step and prefill with lmq's C kernels (RMSNorm, RoPE + K/V append with q/k norms and left
     padding, SiLU-mul, attention, GEMM) against the same step with torch ops (LMQ_CPU_KERNELS=0): logits and
     every K/V written."""
-    from test_fused_decode import make_pool, tiny_llama, tiny_qwen3
-
-    from lmq_backend.engine.fused_decode import FusedDecoder
+    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=8) if arch == "llama" else tiny_qwen3(seed=8)
-    gen = torch.Generator().manual_seed(1)
-    cached = torch.randn(make_pool(model, 4, 40).shape, generator=gen)
-    rows = [(torch.randint(0, 1000, (m,), generator=gen).tolist(), c) for m, c in ((7, 0), (9, 3), (2, 1))]
-    end = 30
-    start = torch.tensor([end - c - len(ids) for ids, c in rows], dtype=torch.int32)
-    lengths = torch.tensor([c + len(ids) for ids, c in rows])
-    runs = []
-    for kernels in ("1", "0"):
-        monkeypatch.setenv("LMQ_CPU_KERNELS", kernels)
-        pool = cached.clone()
-        dec = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
-        out = [dec.prefill(rows, 1, end).clone()]
-        steps = FusedDecoder(model, pool[:, :, 1:], max_batch=3, use_graphs=False)
-        tokens = out[0].argmax(-1)
-        for i in range(3):
-            out.append(steps.step(tokens, lengths + i, start, end + i).clone())
-            tokens = out[-1].argmax(-1)
-        runs.append((out, pool))
-    (c_out, c_pool), (torch_out, torch_pool) = runs
-    for a, b in zip(c_out, torch_out):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(c_pool, torch_pool, atol=2e-5, rtol=1e-5)
-    assert torch.equal(c_pool[:, :, 0], cached[:, :, 0])
+    with_c = prefill_then_steps(model, steps=3, seed=1)
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
+    assert_same_forwards(with_c, prefill_then_steps(model, steps=3, seed=1))

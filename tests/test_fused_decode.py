@@ -160,6 +160,38 @@ def run_compare(model, prompts, steps, *, capacity=48, max_batch=4, use_graphs=F
 PROMPTS = [[5, 17, 33, 2, 9, 11, 4], [8, 1, 99], [42] * 12]
 
 
+def prefill_then_steps(model, configure=lambda decoder: None, steps=2, seed=0):
+    """A fused prefill of three ragged rows (new tokens 7, 9, 2 after 0, 3, 1 cached) into slots 1..3 of a
+    pool of random stand-in K/V (slot 0 another row), then `steps` decode steps on the greedy picks;
+    `configure(decoder)` picks the ops under test. Returns (logits of each forward, pool, pool before)."""
+    gen = torch.Generator().manual_seed(seed)
+    before = torch.randn(make_pool(model, 4, 40).shape, generator=gen)
+    rows = [(torch.randint(0, 1000, (m,), generator=gen).tolist(), c) for m, c in ((7, 0), (9, 3), (2, 1))]
+    end = 30
+    start = torch.tensor([end - c - len(ids) for ids, c in rows], dtype=torch.int32)
+    lengths = torch.tensor([c + len(ids) for ids, c in rows])
+    pool = before.clone()
+    whole = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
+    configure(whole)
+    out = [whole.prefill(rows, 1, end).clone()]
+    decoder = FusedDecoder(model, pool[:, :, 1:], max_batch=3, use_graphs=False)
+    configure(decoder)
+    tokens = out[0].argmax(-1)
+    for i in range(steps):
+        out.append(decoder.step(tokens, lengths + i, start, end + i).clone())
+        tokens = out[-1].argmax(-1)
+    return out, pool, before
+
+
+def assert_same_forwards(run, reference, atol=2e-5, rtol=1e-5):
+    """Two `prefill_then_steps` runs agree: every forward's logits, every K/V, slot 0 untouched."""
+    (out, pool, before), (ref_out, ref_pool, _) = run, reference
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+    torch.testing.assert_close(pool, ref_pool, atol=atol, rtol=rtol)
+    assert torch.equal(pool[:, :, 0], before[:, :, 0])
+
+
 # ------------------------------------------------------------------------------------------------ CPU
 
 def test_supports():

@@ -263,34 +263,13 @@ def test_cuda_graph_replay_with_changing_end(dtype):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_step_and_prefill_kernels_match_torch_ops(arch):
     """The fused decoder's Triton kernels (RMSNorm, q/k norm + RoPE + K/V append for one and for many tokens
-    a row with left padding, SiLU-mul, decode attention) against the torch ops that serve the CPU: a
+    a row with left padding, SiLU-mul, decode attention) against the ops that serve the CPU (C or torch): a
     prefill of ragged rows, then decode steps, in float32."""
-    from test_fused_decode import make_pool, tiny_llama, tiny_qwen3
-
-    from lmq_backend.engine.fused_decode import FusedDecoder
+    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=7) if arch == "llama" else tiny_qwen3(seed=7)
-    gen = torch.Generator().manual_seed(0)
-    cached = torch.randn(make_pool(model, 4, 40).shape, generator=gen)   # stand-in K/V of the cached parts
-    rows = [(torch.randint(0, 1000, (m,), generator=gen).tolist(), c) for m, c in ((7, 0), (9, 3), (2, 1))]
-    end = 30
-    start = torch.tensor([end - c - len(ids) for ids, c in rows], dtype=torch.int32)
-    lengths = torch.tensor([c + len(ids) for ids, c in rows])
-    runs = []
-    for use_triton in (False, True):
-        pool = cached.clone()
-        dec = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
-        dec.triton = use_triton
-        out = [dec.prefill(rows, 1, end).clone()]    # rows in slots 1..3 (slot 0 is another row)
-        dec_rows = FusedDecoder(model, pool[:, :, 1:], max_batch=3, use_graphs=False)
-        dec_rows.triton = use_triton
-        tokens = out[0].argmax(-1)
-        for i in range(2):
-            out.append(dec_rows.step(tokens, lengths + i, start, end + i).clone())
-            tokens = out[-1].argmax(-1)
-        runs.append((out, pool))
-    (torch_out, torch_pool), (triton_out, triton_pool) = runs
-    for a, b in zip(torch_out, triton_out):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(triton_pool, torch_pool, atol=2e-5, rtol=1e-5)
-    assert torch.equal(triton_pool[:, :, 0], cached[:, :, 0])
+
+    def use_triton(decoder):
+        decoder.triton = True
+
+    assert_same_forwards(prefill_then_steps(model, use_triton), prefill_then_steps(model))
