@@ -7,9 +7,9 @@
 `small_m_mm`: `x` [M, K] and `out` [M, N] float32 with contiguous rows, `w_t` [K, N] float32 contiguous (a
 Linear weight stored K-major, transposed). `attention`: float32 q [B, Hq, D], k and v [B, Hkv, S, D] (the
 KV pool's views, any strides but the last), out [B, Hq, D]; row b attends to columns [start[b], S). The small
-ops take float32 rows with a contiguous last dimension (see each). Each returns False, computing nothing, when it cannot run (no C compiler, a failed
-build, not Linux, LMQ_CPU_KERNELS=0, operands it does not take, a row count outside its range): the caller
-then uses torch.
+ops take float32 rows with a contiguous last dimension (see each). Each returns False, computing nothing,
+when it cannot run (no C compiler, a failed build, not Linux, LMQ_CPU_KERNELS=0, operands it does not take,
+a row count outside its range): the caller then uses torch.
 
 The shared library goes to `<build_dir>/cpu_kernels-<hash>.so`, the hash covering the sources, the flags,
 the compiler's version and the CPU's flags, so a different machine or source builds its own.

@@ -38,14 +38,15 @@ of row b to column end - T + t (padding tokens, at position -1, write nothing), 
 `grouped_attention` over the rows' pool columns [first, end) (flash attention with a lower-right causal bias;
 a boolean mask only when rows differ in length), final norm and LM head for the last token of each row.
 Eager: every prefill has new shapes. Measured inside a query on an H200, Llama-3.2-1B shape, 2,046 new
-tokens: 12-16 ms (184 launches, 9.2 ms of GPU work) where the model's forward takes 24-31 ms (700 launches,
+tokens: ~10 ms (184 launches, 8.3 ms of GPU work) where the model's forward takes 15-31 ms (700 launches,
 11.9 ms of GPU work, the rest waiting on Python).
 
-On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small ops,
-the GEMMs of 2-8 rows and the attention of 2 rows or more (torch ops where the library cannot be built), torch's grouped-query attention
-over the pool's columns [min(start), end] read in place for one row (`attention.py`); the weights are the
-model's own, stored K-major (see `_Layer`). There it replaces Hugging Face's forward for decode steps too (SmolLM2-135M,
-500-token context, 2 cores: 39 vs 47 ms a step at batch 1, 85 vs 126 ms at batch 8).
+On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small
+ops, the GEMMs of 2-8 rows and the attention of 2 rows or more (torch ops where the library cannot be
+built), and torch's grouped-query attention over the pool's columns [min(start), end] read in place for one
+row (`attention.py`); the weights are the model's own, stored K-major (see `_Layer`). There it replaces
+Hugging Face's forward for decode steps too (SmolLM2-135M, 500-token context, 2 cores: 39 vs 47 ms a step
+at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
 """
 from __future__ import annotations
 
