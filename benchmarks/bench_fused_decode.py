@@ -124,7 +124,7 @@ def bench_step(model, B: int, ctx: int, quick: bool):
 
     # fused: pool with capacity ctx + 64, rows full (start 0), the new token at column ctx - 1
     pool = torch.randn(L, 2, B, H, ctx + 64, D, device=dev, dtype=torch.bfloat16)
-    dec = FusedDecoder(model, pool, max_batch=B, use_graphs=True)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=B, use_graphs=True)
     start = torch.zeros(B, dtype=torch.int32, device=dev)
     toks, poss = tok[:, 0].clone(), pos[:, 0].clone()
 
@@ -166,7 +166,7 @@ def bench_e2e(model, prompt_len: int, new: int):
         return model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
 
     pool = torch.zeros(L, 2, 1, H, prompt_len + new + 64, D, device=dev, dtype=torch.bfloat16)
-    dec = FusedDecoder(model, pool, max_batch=1, use_graphs=True)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=1, use_graphs=True)
     start = torch.zeros(1, dtype=torch.int32, device=dev)
 
     rows = [(ids[0].tolist(), 0)]

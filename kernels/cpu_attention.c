@@ -1,6 +1,7 @@
-/* Grouped-query attention of one new token a row (a CPU decode step), straight on the KV pool's views:
- * float32 q [B, Hq, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous), out [B, Hq, D].
- * Row b attends to its own columns [start[b], S): the pool's left padding is never read (start is clamped to
+/* Grouped-query attention of one new token a row (a CPU decode step), straight on the paged K/V store:
+ * float32 q [B, Hq, D], k and v [slots, Hkv, D] (one layer of the store; any strides, the last dimension
+ * contiguous), out [B, Hq, D]; column c of row b is slot table[b * stb + c] (int32 page tables, S columns).
+ * Row b attends to its own columns [start[b], S): the left padding is never read (start is clamped to
  * [0, S]; a row without a column gets zeros).
  *
  * Why: a decode step of several rows reads each row's K/V once and does little arithmetic per byte. torch's
@@ -27,8 +28,8 @@
 
 /* One task: row b, kv head g. DV = D / 16, a constant in each instantiation (see lmq_attention). */
 static inline __attribute__((always_inline)) void task(
-        const float *q, long sqb, long sqh, const float *k, long skb, long skh, long sks,
-        const float *v, long svb, long svh, long svs, const int *start, float *out, long sob, long soh,
+        const float *q, long sqb, long sqh, const float *k, long skh, long sks,
+        const float *v, long svh, long svs, const int *table, long stb, const int *start, float *out, long sob, long soh,
         int Hkv, int G, long S, float scale, long task_id, float **buf, long *cap, const int DV) {
     const int b = task_id / Hkv, g = task_id % Hkv;
     const long s0 = start[b] < 0 ? 0 : start[b], n = S - s0;   /* start is clamped to [0, S] */
@@ -42,7 +43,8 @@ static inline __attribute__((always_inline)) void task(
         *buf = malloc(*cap * sizeof(float));
     }
     float *sc = *buf;    /* scores [G][n] */
-    const float *kb = k + b * skb + g * skh + s0 * sks, *vb = v + b * svb + g * svh + s0 * svs;
+    const float *kb = k + g * skh, *vb = v + g * svh;
+    const int *tb = table + b * stb + s0;  /* the row's slots from its first column */
     v16 qv[G][DV];       /* the group's queries, pre-scaled */
     for (int j = 0; j < G; j++)
         for (int d = 0; d < DV; d++) {
@@ -52,8 +54,9 @@ static inline __attribute__((always_inline)) void task(
         }
     for (long c = 0; c < n; c++) {
         v16 kr[DV];
-        memcpy(kr, kb + c * sks, 64 * DV);
-        for (int d = 0; d < DV; d++) __builtin_prefetch(kb + (c + PF) * sks + 16 * d, 0, 0);
+        memcpy(kr, kb + tb[c] * sks, 64 * DV);
+        if (c + PF < n)
+            for (int d = 0; d < DV; d++) __builtin_prefetch(kb + tb[c + PF] * sks + 16 * d, 0, 0);
         for (int j = 0; j < G; j++) {
             v16 acc = qv[j][0] * kr[0];
             for (int d = 1; d < DV; d++) acc += qv[j][d] * kr[d];
@@ -95,8 +98,9 @@ static inline __attribute__((always_inline)) void task(
     memset(acc, 0, sizeof(acc));
     for (long c = 0; c < n; c++) {
         v16 vr[DV];
-        memcpy(vr, vb + c * svs, 64 * DV);
-        for (int d = 0; d < DV; d++) __builtin_prefetch(vb + (c + PF) * svs + 16 * d, 0, 0);
+        memcpy(vr, vb + tb[c] * svs, 64 * DV);
+        if (c + PF < n)
+            for (int d = 0; d < DV; d++) __builtin_prefetch(vb + tb[c + PF] * svs + 16 * d, 0, 0);
         for (int j = 0; j < G; j++) {
             const float p = sc[j * n + c];
             for (int d = 0; d < DV; d++) acc[j][d] += p * vr[d];
@@ -109,14 +113,14 @@ static inline __attribute__((always_inline)) void task(
         }
 }
 
-#define CASE(DV) case DV: task(q, sqb, sqh, k, skb, skh, sks, v, svb, svh, svs, start, out, sob, soh, \
+#define CASE(DV) case DV: task(q, sqb, sqh, k, skh, sks, v, svh, svs, table, stb, start, out, sob, soh, \
                               Hkv, G, S, scale, t, &buf, &cap, DV); break;
 
 /* Tasks (row, kv head) split statically between the threads. D must be 64, 128 or 256 (the caller checks). */
 void lmq_attention(const float *q, long sqb, long sqh,
-                   const float *k, long skb, long skh, long sks,
-                   const float *v, long svb, long svh, long svs,
-                   const int *start, float *out, long sob, long soh,
+                   const float *k, long skh, long sks,
+                   const float *v, long svh, long svs,
+                   const int *table, long stb, const int *start, float *out, long sob, long soh,
                    int B, int Hq, int Hkv, long S, int D, float scale, int threads) {
     const int G = Hq / Hkv;
     #pragma omp parallel num_threads(threads)

@@ -2,15 +2,16 @@
  *
  *   lmq_rmsnorm      y = w * (x * rsqrt(mean(x^2) + eps))                        rows of x
  *   lmq_silu_mul     out = silu(gate) * up, gu = [gate | up]                       rows of gu
- *   lmq_rope_append  q = rope(qnorm(q)); k = rope(knorm(k)) and v into the pool   tokens of qkv
+ *   lmq_rope_append  q = rope(qnorm(q)); k = rope(knorm(k)) and v into the store  tokens of qkv
  *
  * Why: in torch each is 3-15 small ops of a few microseconds' dispatch each; a decode step of SmolLM2-135M
  * makes 121 of these calls (~3.8 ms of a ~31 ms step at one row); here each is one call of a microsecond or
  * two. Each row (token) is computed alone, in a fixed order: the same bits in any batch.
  *
  * rope_append follows the Triton kernel's contract (fused_decode._rope_append_kernel): token r of the
- * [N = rows x T, (Hq + 2 Hkv) D] projection is new token t = r % T of row b = r // T; its K/V go to column
- * end - (T - 1) + t of slot b, unless its position is negative (a prefill's left padding) or b >= nrows.
+ * [N = rows x T, (Hq + 2 Hkv) D] projection is new token t = r % T of row b = r // T; its K/V go to the store
+ * slot of column end - (T - 1) + t of row b's page table (table[b * stb + col]; the store's K and V are
+ * [slots, Hkv, D] a layer), unless its position is negative (a prefill's left padding) or b >= nrows.
  * RoPE's cos/sin come in per token ([N, D/2], rotate-half convention).
  *
  * Built with cpu_gemm.c and cpu_attention.c into one library (see cpu.py).
@@ -83,8 +84,8 @@ static inline void rope_head(const float *src, const float *nw, float eps, const
 void lmq_rope_append(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
                      const float *qn, const float *kn, float eps,
                      float *q, long sqr, long sqh,
-                     float *kc, long skb, long skh, long sks,
-                     float *vc, long svb, long svh, long svs,
+                     float *kc, long sks, long skh, float *vc, long svs, long svh,
+                     const int *table, long stb,
                      long N, int T, long end, int nrows, int Hq, int Hkv, int D, int threads) {
     const int H = D / 2;
     #pragma omp parallel for num_threads(threads) schedule(static) if (N > 64)
@@ -94,9 +95,10 @@ void lmq_rope_append(const float *qkv, long ldqkv, const float *cos_, const floa
         const float *x = qkv + r * ldqkv, *c = cos_ + r * H, *s = sin_ + r * H;
         for (int h = 0; h < Hq; h++) rope_head(x + h * D, qn, eps, c, s, q + r * sqr + h * sqh, D);
         if (!write) continue;
+        const long slot = table[b * stb + col];
         for (int h = 0; h < Hkv; h++) {
-            rope_head(x + (Hq + h) * D, kn, eps, c, s, kc + b * skb + h * skh + col * sks, D);
-            memcpy(vc + b * svb + h * svh + col * svs, x + (Hq + Hkv + h) * D, D * sizeof(float));
+            rope_head(x + (Hq + h) * D, kn, eps, c, s, kc + slot * sks + h * skh, D);
+            memcpy(vc + slot * svs + h * svh, x + (Hq + Hkv + h) * D, D * sizeof(float));
         }
     }
 }

@@ -17,6 +17,14 @@ Cache layout (agreed with the prefix trie and the batch cache)
 * Columns outside ``[start[b], end)`` are never loaded, so their contents
   (stale data, NaN, inf) do not matter.
 
+Paged K/V (the engine's case, ``table`` given)
+-----------------------------------------------
+With ``table`` (int32 ``[B, S]``), k_cache and v_cache are the backend's K/V
+store for one layer, ``[N, H_kv, D]`` (one token per slot, see
+``lmq_backend/cache/kv_store.py``), and column ``c`` of row ``b`` is slot
+``table[b, c]``: the same left-padded columns, read through the row's page
+table. Only columns in ``[start[b], end)`` are looked up.
+
 Kernel design
 -------------
 Stage 1 (``_decode_stage1``), grid ``(B * H_kv, num_splits)``: the column range
@@ -68,7 +76,7 @@ __all__ = ["decode_attention", "choose_num_splits", "interpreter_active"]
 
 
 def _stage1_src(
-    Q, K, V, START, END_PTR, end_val,
+    Q, K, V, TABLE, stride_tb, START, END_PTR, end_val,
     MID_O, MID_LSE, OUT, COUNTER,
     qk_scale,  # sm_scale * log2(e)
     H_KV, CHUNK,
@@ -81,6 +89,7 @@ def _stage1_src(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     END_FROM_PTR: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,8 +117,12 @@ def _stage1_src(
     if not USE_DOT:
         q = q.to(tl.float32)
 
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    if PAGED:  # K/V [N, H_kv, D]: column c of row b is slot TABLE[b, c]
+        k_base = K + kvh64 * stride_kh
+        v_base = V + kvh64 * stride_vh
+    else:
+        k_base = K + b64 * stride_kb + kvh64 * stride_kh
+        v_base = V + b64 * stride_vb + kvh64 * stride_vh
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -119,8 +132,12 @@ def _stage1_src(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if PAGED:
+            rows = tl.load(TABLE + b64 * stride_tb + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            rows = offs_n.to(tl.int64)
+        k = tl.load(k_base + rows[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         else:
@@ -335,20 +352,34 @@ def decode_attention(
     use_dot: Optional[bool] = None,
     num_warps: Optional[int] = None,
     fused_reduce: bool = True,
+    table: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per row over a left-padded KV cache.
 
     q ``[B, Hq, D]`` (RoPE applied); k_cache, v_cache ``[B, H_kv, S, D]`` (last
-    dim contiguous); start int32 ``[B]`` (device tensor); end: int32 ``[1]``
-    device tensor (read by the kernel, CUDA-graph safe) or Python int.
-    Attends row ``b`` over columns ``[start[b], end)``.  Returns ``out``
-    ``[B, Hq, D]`` in ``q.dtype`` (written in place when given).
+    dim contiguous), or with ``table`` (int32 ``[B, S]``, device) the paged store's
+    ``[N, H_kv, D]`` of one layer, read through it; start int32 ``[B]`` (device
+    tensor); end: int32 ``[1]`` device tensor (read by the kernel, CUDA-graph
+    safe) or Python int. Attends row ``b`` over columns ``[start[b], end)``.
+    Returns ``out`` ``[B, Hq, D]`` in ``q.dtype`` (written in place when given).
 
     The keyword-only knobs override the heuristics (benchmarks/tests only).
     """
-    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+    paged = table is not None
+    assert q.dim() == 3 and k_cache.dim() == (3 if paged else 4) and v_cache.shape == k_cache.shape
     B, Hq, D = q.shape
-    Bk, H_kv, S, Dk = k_cache.shape
+    if paged:
+        assert table.dim() == 2 and table.shape[0] >= B and table.stride(1) == 1 and table.device == q.device
+        Bk, S = B, table.shape[1]
+        H_kv, Dk = k_cache.shape[1:]
+        # strides as [B, H_kv, S, D] of the dense layout: the kernel's row stride is unused, its column
+        # stride is the slot stride
+        k_strides = (0, k_cache.stride(1), k_cache.stride(0))
+        v_strides = (0, v_cache.stride(1), v_cache.stride(0))
+    else:
+        Bk, H_kv, S, Dk = k_cache.shape
+        k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     assert Bk == B and Dk == D, (q.shape, k_cache.shape)
     assert Hq % H_kv == 0, "Hq must be a multiple of H_kv"
     G = Hq // H_kv
@@ -395,6 +426,8 @@ def decode_attention(
         # CPU without Triton's interpreter: the kernels cannot run; use the torch reference.
         from .reference import decode_attention_reference
 
+        if paged:  # the dense [B, H_kv, S, D] view of the rows' columns
+            k_cache, v_cache = (c[table[:B].long()].transpose(1, 2) for c in (k_cache, v_cache))
         out.copy_(decode_attention_reference(q, k_cache, v_cache, start, end, sm_scale))
         return out
 
@@ -410,18 +443,17 @@ def decode_attention(
 
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     stage1[(B * H_kv, splits)](
-        q, k_cache, v_cache, start, end_ptr, end_val,
+        q, k_cache, v_cache, table if paged else start, table.stride(0) if paged else 0, start, end_ptr, end_val,
         mid_o, mid_lse, out, counter,
         float(sm_scale) * 1.4426950408889634,
         H_kv, chunk,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_strides, *v_strides,
         out.stride(0), out.stride(1),
         splits,
         G=G, G_PAD=g_pad, D=D, BLOCK_D=block_d, BLOCK_N=cfg_bn,
         END_FROM_PTR=end_from_ptr, USE_DOT=cfg_dot, DOT_PREC=dot_prec,
-        SINGLE_SPLIT=single, FUSED_REDUCE=fused, SPLIT_TILE=8,
+        SINGLE_SPLIT=single, FUSED_REDUCE=fused, SPLIT_TILE=8, PAGED=paged,
         num_warps=cfg_warps,
     )
     if not single and not fused:

@@ -16,6 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lmq_backend.engine import compat
+from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.fused_decode import FusedDecoder, bucket_for, supports
 
 HAS_CUDA = torch.cuda.is_available()
@@ -129,7 +130,7 @@ def run_compare(model, prompts, steps, *, capacity=48, max_batch=4, use_graphs=F
     start, last = prefill_into_pool(model, prompts, pool, end)
     before_pad_rows = pool[:, :, B:].clone()
     hf = HFPadded(model, pool, start, end)
-    dec = FusedDecoder(model, pool, max_batch=max_batch, use_graphs=use_graphs)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=max_batch, use_graphs=use_graphs)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     tok_f = tok_h = last.argmax(-1)
     worst = 0.0
@@ -171,10 +172,11 @@ def prefill_then_steps(model, configure=lambda decoder: None, steps=2, seed=0):
     start = torch.tensor([end - c - len(ids) for ids, c in rows], dtype=torch.int32)
     lengths = torch.tensor([c + len(ids) for ids, c in rows])
     pool = before.clone()
-    whole = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
+    kv, table = paged_view(pool)
+    whole = FusedDecoder(model, kv, table, max_batch=4, use_graphs=False)
     configure(whole)
     out = [whole.prefill(rows, 1, end).clone()]
-    decoder = FusedDecoder(model, pool[:, :, 1:], max_batch=3, use_graphs=False)
+    decoder = FusedDecoder(model, kv, table[1:], max_batch=3, use_graphs=False)
     configure(decoder)
     tokens = out[0].argmax(-1)
     for i in range(steps):
@@ -205,7 +207,7 @@ def test_supports():
     assert not supports(tiny_llama(hidden_act="gelu"), require_cuda=False)
     assert not supports(tiny_llama(mlp_bias=True), require_cuda=False)
     with pytest.raises(ValueError):
-        FusedDecoder(gpt2, torch.zeros(1, 2, 1, 2, 8, 16), max_batch=1)
+        FusedDecoder(gpt2, *paged_view(torch.zeros(1, 2, 1, 2, 8, 16)), max_batch=1)
 
 
 def test_bucket_for():
@@ -238,7 +240,7 @@ def test_cpu_strided_pool_view():
     pool = big[:, :, :4]
     start, last = prefill_into_pool(model, PROMPTS, pool, 20)
     hf = HFPadded(model, pool, start, 20)
-    dec = FusedDecoder(model, pool, max_batch=4, use_graphs=False)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=4, use_graphs=False)
     tok = last.argmax(-1)
     pos = torch.tensor([len(p) for p in PROMPTS])
     torch.testing.assert_close(dec.step(tok, pos, start, 20).float(), hf.step(tok, pos).float(), atol=1e-4, rtol=0)
@@ -279,7 +281,7 @@ def test_cuda_bf16_logits_close_to_hf():
     # the bf16 pool gets the float32 prefill rounded, so all three decode from the same K/V
     pool16.copy_(pool32.to(torch.bfloat16))
     hf32, hf16 = HFPadded(model, pool32, start, end), HFPadded(model16, pool16, start, end)
-    dec = FusedDecoder(model16, pool16, max_batch=4, use_graphs=True)
+    dec = FusedDecoder(model16, *paged_view(pool16), max_batch=4, use_graphs=True)
     pos = torch.tensor([len(p) for p in prompts], device="cuda")
     errs_hf, errs_f = [], []
     for i in range(4):
@@ -309,8 +311,8 @@ def test_cuda_graphs_match_eager_bitwise():
     pool = make_pool(model, 8, 256, fill=0.0)
     start, last = prefill_into_pool(model, prompts, pool, 120)
     pool2 = pool.clone()
-    eager = FusedDecoder(model, pool, max_batch=8, use_graphs=False)
-    graph = FusedDecoder(model, pool2, max_batch=8, use_graphs=True)
+    eager = FusedDecoder(model, *paged_view(pool), max_batch=8, use_graphs=False)
+    graph = FusedDecoder(model, *paged_view(pool2), max_batch=8, use_graphs=True)
     pos = torch.tensor([len(p) for p in prompts], device="cuda")
     tok = last.argmax(-1)
     for i, B in enumerate([5, 5, 1, 3, 5, 2]):

@@ -20,6 +20,7 @@ from test_fused_decode import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2
 
 import lmq_backend as lmq
 from lmq_backend.engine import compat
+from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.fused_decode import FusedDecoder
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -52,7 +53,7 @@ def run_prefill(model, rows, *, slot=0, end=None, capacity=64, slots=None, atol=
             pool[l, 0, slot + b, :, end - len(ids):end - len(ids) + cached] = k[:, :cached]
             pool[l, 1, slot + b, :, end - len(ids):end - len(ids) + cached] = v[:, :cached]
     before = pool.clone()
-    dec = FusedDecoder(model, pool, max_batch=slots, use_graphs=False)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=slots, use_graphs=False)
     got = dec.prefill([(ids[cached:], cached) for ids, cached in rows], slot, end).float()
     want = torch.stack([logits for logits, _ in refs]).float()
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
@@ -95,7 +96,7 @@ def test_cpu_prefill_at_a_slot_offset_and_llama3_rope():
 
 def test_cpu_prefill_rejects_what_does_not_fit():
     model = tiny_llama()
-    dec = FusedDecoder(model, make_pool(model, 2, 16), max_batch=2, use_graphs=False)
+    dec = FusedDecoder(model, *paged_view(make_pool(model, 2, 16)), max_batch=2, use_graphs=False)
     with pytest.raises(ValueError):
         dec.prefill([([1, 2], 0), ([3], 0)], 1, 10)   # slots 1 and 2 of a 2-slot pool
     with pytest.raises(ValueError):

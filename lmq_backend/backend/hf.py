@@ -2,8 +2,10 @@
 
 Every prefill looks up the longest cached prefix of the sequence's token ids in the trie, computes only
 the rest and inserts what it computed; a sequence pins the trie node that covers its prefix until it
-is released. `cache_budget=0` turns the trie off: every prefill computes the whole prompt (the exact
-reference behaviour).
+is released. K/V live in one paged store (`cache/kv_store.py`): the trie's nodes and the running rows hold
+slots of it, and a hit or an insert moves slot numbers, never K/V. `cache_budget` bounds what the trie
+keeps (0 turns it off: every prefill computes the whole prompt, the exact reference behaviour);
+`kv_budget` bounds the whole store (default: sized from free memory).
 """
 from __future__ import annotations
 
@@ -38,6 +40,20 @@ def parse_bytes(budget: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def default_kv_budget(device: torch.device) -> int:
+    """Bytes for the K/V store when the user names none: half the GPU's free memory; on a CPU a third of
+    the machine's memory (untouched pages of the store cost nothing there)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
+        return 4 * 2**30
+
+
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype is None:
         return torch.float32 if device == "cpu" else torch.bfloat16
@@ -56,7 +72,8 @@ class HFBackend(Backend):
     model and tokenizer you already hold."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
-                 cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 64):
+                 cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 64,
+                 kv_budget: int | str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if str(path) == "default":
@@ -71,20 +88,27 @@ class HFBackend(Backend):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
-        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch)
+        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget)
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
-                   max_batch: int = 64) -> "HFBackend":
+                   max_batch: int = 64, kv_budget: int | str | None = None) -> "HFBackend":
         backend = cls.__new__(cls)
-        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch)
+        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
         return backend
 
-    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 64) -> None:
+    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 64, kv_budget=None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch)
-        self.scheduler = Scheduler(self.runner)
+        kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget)
+        layers, heads, head_dim = self.runner.kv_shape
+        per_token = 2 * layers * heads * head_dim * torch.empty(0, dtype=self.runner.dtype).element_size()
+        self.store = self.runner.new_store(max(kv_bytes // per_token, 2))
+        self.trie = PrefixTrie(parse_bytes(cache_budget), self.store.bytes_per_token, self.store)
+        self.store.reclaim = lambda n: self.trie.evict(n * self.store.bytes_per_token)
+        self.store.evictable = lambda: self.trie.evictable_bytes() // self.store.bytes_per_token
+        self.scheduler = Scheduler(self.runner, self.store)
         self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
         self._extendable = ~self._vocab.special
         self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
@@ -95,7 +119,6 @@ class HFBackend(Backend):
         # on the device, and run the next step ahead on those picks
         self._greedy_masks = (self._pick_all, self._extendable_on_device)
         self.runner.set_greedy_masks(list(self._greedy_masks))
-        self.trie = PrefixTrie(parse_bytes(cache_budget))
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
         self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
@@ -170,7 +193,7 @@ class HFBackend(Backend):
     async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
         logits, row = await self.scheduler.prefill(_Prefill(self, seq))
         try:
-            prefix = self.scheduler.pool.segment(row.slot, 0, len(seq.ids))
+            prefix = self.scheduler.pool.segment_kv(row.slot, 0, len(seq.ids))
             return self.runner.score(prefix, logits, continuations)
         finally:
             self.scheduler.release(row)
@@ -264,7 +287,7 @@ class _Prefill:
         trie = self.backend.trie
         self.node, self.cached = trie.match(self.ids, limit=len(self.ids) - 1)
         self.backend._pin(self.seq, self.node)
-        return PrefillRow(trie.path_kv(self.node) if self.cached else [], self.cached, self.ids[self.cached:])
+        return PrefillRow(trie.path_slots(self.node), self.cached, self.ids[self.cached:])
 
     def complete(self, logits: torch.Tensor, row: Row) -> None:
         b = self.backend

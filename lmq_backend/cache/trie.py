@@ -1,18 +1,14 @@
-"""A radix trie over token ids whose nodes hold per-layer K/V (the prefix cache).
+"""A radix trie over token ids whose nodes own the K/V slots of their tokens (the prefix cache).
 
-KV layout (shared with the engine's batch cache and the Triton decode kernel)
-----------------------------------------------------------------------------
-``node.kv: torch.Tensor`` has shape ``[L, 2, H_kv, T, D]``:
-(layer, 0=K / 1=V, kv head, token, head dim); contiguous; the model's dtype and
-device; it holds the node's OWN ``T`` tokens only (its segment ``node.ids``).
-K is stored after RoPE (as Hugging Face caches keep it), so the K/V of a path
-root -> node concatenated along dim 3 is exactly the cache of that prefix::
+K/V layout: see `kv_store.py`. ``node.slots: np.ndarray`` (int32, ``[T]``) holds the
+store slots of the node's OWN ``T`` tokens (its segment ``node.ids``), so the slots of
+a path root -> node concatenated are the page table of that prefix::
 
-    torch.cat(trie.path_kv(node), dim=3)   # [L, 2, H_kv, node.depth, D]
+    trie.path_slots(node)   # int32 [node.depth]
 
-Batch cache (engine): per layer K and V ``[B, H_kv, S, D]``, rows left-padded so
-that every row's valid tokens end at the same column; the decode kernel reads
-each row from a per-row start column to that common end.
+The trie owns those slots: it takes them from a row when a segment is inserted
+(`KVStore.take`) and gives them back when it evicts a node (`KVStore.free`). It never
+reads or copies K/V. Without a store (tests) slots are plain ints.
 
 Design (after SGLang's radix cache, written from scratch)
 ---------------------------------------------------------
@@ -38,11 +34,12 @@ Design (after SGLang's radix cache, written from scratch)
   unchanged.
 * Eviction removes unpinned leaves in LRU order (a heap), which may turn their
   parents into candidates.  Evicted nodes are detached (``parent=None``,
-  ``kv=None``); using one afterwards is an error.
+  ``slots=None``), their slots freed; using one afterwards is an error.
 * The budget is hard: ``bytes_in_use <= budget_bytes`` at every moment.  An
   insert whose new bytes can't fit even after evicting every unpinned node
   evicts nothing and stores nothing (returns None).
 
+Bytes are ``tokens * bytes_per_token`` (a token's K/V over every layer).
 The trie knows nothing about asyncio, models or queries.  Not thread-safe.
 """
 
@@ -52,7 +49,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import torch
+import numpy as np
 
 __all__ = ["TrieNode", "PrefixTrie"]
 
@@ -60,7 +57,7 @@ __all__ = ["TrieNode", "PrefixTrie"]
 @dataclass(slots=True, eq=False)
 class TrieNode:
     ids: tuple[int, ...]
-    kv: torch.Tensor | None
+    slots: np.ndarray | None
     parent: TrieNode | None
     children: dict[int, TrieNode] = field(default_factory=dict)
     depth: int = 0
@@ -68,35 +65,31 @@ class TrieNode:
     last_used: int = 0
     label: str = ""
     pins: int = 0  # pins taken directly on this node object (lock counts the subtree's)
+    bytes_per_token: int = 0
 
     @property
     def nbytes(self) -> int:
-        kv = self.kv
-        return 0 if kv is None else kv.numel() * kv.element_size()
+        return 0 if self.slots is None else len(self.slots) * self.bytes_per_token
 
     def __repr__(self) -> str:  # dataclass repr would recurse through parent/children
         return (f"TrieNode(T={len(self.ids)}, depth={self.depth}, lock={self.lock}, pins={self.pins}, "
                 f"last_used={self.last_used}, children={len(self.children)}, label={self.label!r})")
 
 
-def _own(x: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous copy: never aliases (or keeps alive) the source storage."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
 class PrefixTrie:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, bytes_per_token: int = 1, store=None):
+        """`store`: the `KVStore` whose slots the nodes own (None: slots are plain ints, nothing is freed)."""
         if budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0")
-        self.root = TrieNode(ids=(), kv=None, parent=None)
+        self.root = TrieNode(ids=(), slots=None, parent=None)
+        self.store = store
+        self.bytes_per_token = int(bytes_per_token)
         self.budget_bytes = int(budget_bytes)
         self.bytes_in_use = 0
         self.evictions = 0
         self.evicted_tokens = 0
         self._n_nodes = 0
         self._clock = 0
-        # (L, H_kv, D, dtype, device) of the stored tensors, fixed by the first insert
-        self._meta: tuple | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -136,16 +129,15 @@ class PrefixTrie:
     def _split(self, node: TrieNode, k: int) -> TrieNode:
         """Split `node` after its first k tokens; return the new UPPER node (the original object
         becomes the lower half, so references/pins to it keep meaning the same prefix)."""
-        assert node.kv is not None and 0 < k < len(node.ids)
+        assert node.slots is not None and 0 < k < len(node.ids)
         parent = node.parent
         assert parent is not None
-        old = node.kv
         upper = TrieNode(
-            ids=node.ids[:k], kv=_own(old[:, :, :, :k, :]), parent=parent, children={},
+            ids=node.ids[:k], slots=node.slots[:k], parent=parent, children={},
             depth=node.depth - len(node.ids) + k, lock=node.lock, last_used=node.last_used, label="", pins=0,
+            bytes_per_token=self.bytes_per_token,
         )
-        node.kv = _own(old[:, :, :, k:, :])
-        del old
+        node.slots = node.slots[k:]
         node.ids = node.ids[k:]
         node.parent = upper
         upper.children[node.ids[0]] = node
@@ -187,11 +179,12 @@ class PrefixTrie:
         assert node.depth == n
         return node, n
 
-    def insert(self, parent: TrieNode, ids: Sequence[int], kv: torch.Tensor, label: str = "") -> TrieNode | None:
-        """Store `ids` (the tokens at positions parent.depth ...) with their kv [L, 2, H_kv, len(ids), D].
+    def insert(self, parent: TrieNode, ids: Sequence[int], slots: np.ndarray, label: str = "") -> TrieNode | None:
+        """Store `ids` (the tokens at positions parent.depth ...) with their K/V slots (int32 [len(ids)]).
 
         The part of ids already cached under `parent` is reused (split as needed) and only the rest is
-        stored (a private contiguous copy of the matching slice of kv). Evicts LRU unpinned leaves to make
+        stored: the node takes ownership of the matching part of `slots` (`KVStore.take`); the caller keeps
+        the slots of the part that was already cached. Evicts LRU unpinned leaves to make
         room. Returns the node covering ALL of ids (existing or new; node.depth == parent.depth+len(ids)),
         or None if the remainder cannot fit (larger than the budget, or too much is pinned) -- in that case
         nothing is evicted and nothing stored (an existing node may have been split, bytes unchanged).
@@ -202,13 +195,9 @@ class PrefixTrie:
         if not self._attached(parent):
             raise ValueError("insert: parent is not a live node of this trie (evicted?)")
         ids = tuple(map(int, ids))
-        if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[3] != len(ids):
-            raise ValueError(f"insert: kv shape {tuple(kv.shape)} is not [L, 2, H_kv, {len(ids)}, D]")
-        meta = (kv.shape[0], kv.shape[2], kv.shape[4], kv.dtype, kv.device)
-        if self._meta is None:
-            self._meta = meta
-        elif meta != self._meta:
-            raise ValueError(f"insert: kv (L, H_kv, D, dtype, device) {meta} != stored {self._meta}")
+        slots = np.asarray(slots)
+        if slots.shape != (len(ids),):
+            raise ValueError(f"insert: {slots.shape} slots for {len(ids)} tokens")
 
         t = self._tick()
         node, i = self._walk(parent, ids, 0, len(ids))
@@ -216,8 +205,8 @@ class PrefixTrie:
             self._touch(node, t)
             return node
 
-        rest = kv[:, :, :, i:, :]
-        need = rest.numel() * rest.element_size()
+        rest = slots[i:].astype(np.int32)
+        need = len(rest) * self.bytes_per_token
         self.pin(node)  # protect the path we extend while evicting
         try:
             if self.bytes_in_use + need > self.budget_bytes:
@@ -225,8 +214,10 @@ class PrefixTrie:
                     return None  # can't fit even after evicting every unpinned node: evict nothing
                 self.evict(self.bytes_in_use + need - self.budget_bytes)
                 assert self.bytes_in_use + need <= self.budget_bytes
-            new = TrieNode(ids=ids[i:], kv=_own(rest), parent=node, children={},
-                           depth=node.depth + len(ids) - i, label=label)
+            if self.store is not None:
+                self.store.take(rest)
+            new = TrieNode(ids=ids[i:], slots=rest, parent=node, children={},
+                           depth=node.depth + len(ids) - i, label=label, bytes_per_token=self.bytes_per_token)
             node.children[new.ids[0]] = new
             self.bytes_in_use += need
             self._n_nodes += 1
@@ -265,9 +256,10 @@ class PrefixTrie:
         out.reverse()
         return out
 
-    def path_kv(self, node: TrieNode) -> list[torch.Tensor]:
-        """The kv tensors of path(node); torch.cat(..., dim=3) is the cache of the prefix."""
-        return [n.kv for n in self.path(node)]  # type: ignore[misc]
+    def path_slots(self, node: TrieNode) -> np.ndarray:
+        """The slots of the tokens root -> node (int32 [node.depth]): the page table of the prefix."""
+        parts = [n.slots for n in self.path(node)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
     def path_ids(self, node: TrieNode) -> tuple[int, ...]:
         """The token ids from the root to the end of node."""
@@ -302,7 +294,9 @@ class PrefixTrie:
             self._n_nodes -= 1
             del parent.children[leaf.ids[0]]
             leaf.parent = None
-            leaf.kv = None
+            if self.store is not None:
+                self.store.free(leaf.slots)
+            leaf.slots = None
             if parent is not self.root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_used, seq, parent))
                 seq += 1
@@ -315,10 +309,10 @@ class PrefixTrie:
     def check(self) -> None:
         """Assert every invariant (for tests; O(nodes))."""
         r = self.root
-        assert r.parent is None and r.kv is None and r.ids == () and r.depth == 0
+        assert r.parent is None and r.slots is None and r.ids == () and r.depth == 0
         total = 0
         count = 0
-        storages: set[int] = set()
+        held: list[np.ndarray] = []
 
         def lock_of(n: TrieNode) -> int:
             return n.pins + sum(c.lock for c in n.children.values())
@@ -335,15 +329,9 @@ class PrefixTrie:
             assert p.last_used >= n.last_used, "LRU clock: parent older than child"
             for key, c in n.children.items():
                 assert c.ids[0] == key
-            kv = n.kv
-            assert kv is not None and kv.dim() == 5 and kv.is_contiguous()
-            L, two, H, T, D = kv.shape
-            assert two == 2 and T == len(n.ids)
-            assert self._meta == (L, H, D, kv.dtype, kv.device)
-            st = kv.untyped_storage()
-            assert st.nbytes() == n.nbytes, "node keeps a larger storage alive"
-            assert st.data_ptr() not in storages, "two nodes share storage"
-            storages.add(st.data_ptr())
+            assert n.slots is not None and n.slots.shape == (len(n.ids),), "slots != tokens"
+            assert n.bytes_per_token == self.bytes_per_token
+            held.append(n.slots)
             total += n.nbytes
         for key, c in r.children.items():
             assert c.ids[0] == key and c.parent is r
@@ -352,6 +340,13 @@ class PrefixTrie:
         assert 0 <= self.bytes_in_use <= self.budget_bytes, "budget exceeded"
         if not self.enabled:
             assert count == 0
+        if self.store is not None:  # real slots (a test's are any ints)
+            every = np.concatenate(held) if held else np.empty(0, dtype=np.int32)
+            assert len(np.unique(every)) == len(every), "two nodes hold one slot"
+
+    def node_slots(self) -> list[np.ndarray]:
+        """Every node's slots (for `KVStore.check`)."""
+        return [n.slots for n in self._iter_nodes()]  # type: ignore[misc]
 
     def dump(self) -> str:
         """Indented human-readable tree (debugging)."""

@@ -55,34 +55,45 @@ def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
 
 class _PoolLayer(DynamicLayer):
     """One layer of a `KVPool` seen as a transformers cache layer, for a range of row slots whose cache
-    starts at column `first`: `update` writes the new K/V in place after the `length` cached columns
-    (only where `write` is true, if given) instead of concatenating, and returns views of the pool."""
+    starts at column `first`: `update` writes the new K/V into the rows' store slots (only where `write` is
+    true, if given) and returns the K/V of every column read through the rows' page tables, [B, H, S, D]
+    (gathered: a copy per layer, freed after it)."""
 
-    def __init__(self, pool, layer: int, rows: slice, first: int, length: int, write: torch.Tensor | None):
+    def __init__(self, pool, layer: int, columns: torch.Tensor, length: int, write: torch.Tensor | None):
         super().__init__()
-        self.pool, self.layer, self.rows, self.first, self.write = pool, layer, rows, first, write
-        self.device = pool.data.device
+        self.k, self.v = pool.store.layer(layer)            # [N, H_kv, D] each
+        self.columns, self.write = columns, write             # slots [B, S_total] of every column read
+        self.device = self.k.device
         self.is_initialized = True
-        self._set_length(length)
-
-    def _set_length(self, n: int) -> None:
-        self.length = n
-        self.keys = self.pool.data[self.layer, 0, self.rows, :, self.first:self.first + n]
-        self.values = self.pool.data[self.layer, 1, self.rows, :, self.first:self.first + n]
+        self.length = length
+        self.keys = self.values = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        lo, hi = self.first + self.length, self.first + self.length + key_states.shape[-2]
-        for kv, new in ((0, key_states), (1, value_states)):
-            dst = self.pool.data[self.layer, kv, self.rows, :, lo:hi]
-            dst.copy_(new if self.write is None else torch.where(self.write[:, None, :, None], new, dst))
-        self._set_length(self.length + key_states.shape[-2])
+        t = key_states.shape[-2]
+        lo, hi = self.length, self.length + t
+        slots = self.columns[:, lo:hi]                          # [B, T]
+        for dst, new in ((self.k, key_states), (self.v, value_states)):
+            new = new.transpose(1, 2)                           # [B, T, H, D]
+            if self.write is None:
+                dst[slots.reshape(-1)] = new.reshape(-1, *new.shape[2:]).to(dst.dtype)
+            else:
+                dst[slots[self.write]] = new[self.write].to(dst.dtype)
+        self.length = hi
+        cols = self.columns[:, :hi]
+        self.keys, self.values = self.k[cols].transpose(1, 2), self.v[cols].transpose(1, 2)
         return self.keys, self.values
 
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
 
-def pool_cache(pool, rows: slice, first: int, length: int, write: torch.Tensor | None = None) -> Cache:
+
+def pool_cache(pool, rows: slice, first: int, length: int, new: int, write: torch.Tensor | None = None) -> Cache:
     """A transformers cache over slots `rows` of `pool` (a `KVPool`): columns [first, first + length) are
-    the cache; a forward appends after them. `write` [B, T] bool limits which new tokens are stored."""
-    return Cache(layers=[_PoolLayer(pool, i, rows, first, length, write) for i in range(pool.data.shape[0])])
+    the cache, a forward of `new` tokens appends after them. `write` [B, T] bool limits which new tokens
+    are stored (padding is not)."""
+    columns = pool.columns(rows, first, first + length + new)
+    write = None if write is None else write.to(columns.device)
+    return Cache(layers=[_PoolLayer(pool, i, columns, length, write) for i in range(pool.shape[0])])
 
 
 POOL_ATTENTION = "lmq_grouped"

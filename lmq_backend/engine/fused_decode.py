@@ -155,21 +155,21 @@ def _silu_mul_kernel(GU, OUT, I, stride_gu, stride_out, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every prefill length
 def _rope_append_kernel(
-    QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, END, NROWS, T, N,
-    stride_qkv, stride_qo_b, stride_qo_h,
-    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, TABLE, END, NROWS, T, N,
+    stride_qkv, stride_qo_b, stride_qo_h, stride_tb,
+    stride_kn, stride_kh, stride_vn, stride_vh,
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     # grid (cdiv(N, BLOCK_T), HQ + 2 HKV): program (i, h) takes head h of tokens r = i BLOCK_T .. + BLOCK_T
     # of the QKV projection ([N, (HQ + 2 HKV) D]). Token r is new token t = r % T of batch row b = r // T;
-    # its K/V go to column c = END - (T - 1) + t (a decode step: T = 1, r = b, c = END). Tokens with a
-    # negative position (a prefill's left padding) and rows b >= NROWS (a graph bucket's padding) write
-    # nothing to the cache.
+    # its K/V go to column c = END - (T - 1) + t (a decode step: T = 1, r = b, c = END) of the row's page
+    # table, i.e. to store slot s = TABLE[b, c]. Tokens with a negative position (a prefill's left padding)
+    # and rows b >= NROWS (a graph bucket's padding) write nothing to the cache.
     #   h <  HQ          : q head -> (norm) -> rope -> Q_OUT[r, h]
-    #   h <  HQ + HKV    : k head -> (norm) -> rope -> K_CACHE[b, h - HQ, c]
-    #   else             : v head ->                   V_CACHE[b, h - HQ - HKV, c]
+    #   h <  HQ + HKV    : k head -> (norm) -> rope -> K_CACHE[s, h - HQ]        (K_CACHE [slots, HKV, D])
+    #   else             : v head ->                   V_CACHE[s, h - HQ - HKV]
     r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                  # [BLOCK_T] token rows
     h = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -183,10 +183,11 @@ def _rope_append_kernel(
     dtype = Q_OUT.dtype.element_ty
     col = tl.load(END).to(tl.int64) - (T - 1) + r64 % T
     pos = tl.load(POS + r, mask=inside, other=-1)
-    write = mask & ((b64 < tl.load(NROWS).to(tl.int64)) & (pos >= 0))[:, None]
+    keep = inside & (b64 < tl.load(NROWS).to(tl.int64)) & (pos >= 0)
+    write = mask & keep[:, None]
+    slot = tl.load(TABLE + b64 * stride_tb + col, mask=keep, other=0).to(tl.int64)
     if h >= HQ + HKV:
-        dst = V_CACHE + b64[:, None] * stride_vb + (h - HQ - HKV).to(tl.int64) * stride_vh \
-            + col[:, None] * stride_vs + offs[None, :]
+        dst = V_CACHE + slot[:, None] * stride_vn + (h - HQ - HKV).to(tl.int64) * stride_vh + offs[None, :]
         tl.store(dst, x1.to(dtype), mask=write)
         tl.store(dst + HALF, x2.to(dtype), mask=write)
     else:
@@ -212,8 +213,7 @@ def _rope_append_kernel(
             tl.store(dst, o1.to(dtype), mask=mask)
             tl.store(dst + HALF, o2.to(dtype), mask=mask)
         else:
-            dst = K_CACHE + b64[:, None] * stride_kb + (h - HQ).to(tl.int64) * stride_kh \
-                + col[:, None] * stride_ks + offs[None, :]
+            dst = K_CACHE + slot[:, None] * stride_kn + (h - HQ).to(tl.int64) * stride_kh + offs[None, :]
             tl.store(dst, o1.to(dtype), mask=write)
             tl.store(dst + HALF, o2.to(dtype), mask=write)
 
@@ -331,19 +331,21 @@ class FusedDecoder:
     `step` returns logits `[B, V]` in the model's dtype, a view of a static buffer that the next `step`
     overwrites (clone it to keep it)."""
 
-    def __init__(self, model, pool: torch.Tensor, max_batch: int, use_graphs: bool = True,
+    def __init__(self, model, kv: torch.Tensor, table: torch.Tensor, max_batch: int, use_graphs: bool = True,
                  greedy_masks: list[torch.Tensor | None] | None = None):
         why = _why_not(model, require_cuda=False)
         if why is not None:
             raise ValueError(f"FusedDecoder does not support this model: {why}")
         cfg = model.config
         self.model = model
-        self.device = pool.device
+        self.device = kv.device
         self.dtype = next(model.parameters()).dtype
-        assert pool.dtype == self.dtype, (pool.dtype, self.dtype)
-        L, two, b_max, h_kv, s_max, d = pool.shape
-        assert two == 2 and L == cfg.num_hidden_layers and pool.stride(-1) == 1
-        self.pool = pool
+        assert kv.dtype == self.dtype, (kv.dtype, self.dtype)
+        L, two, _, h_kv, d = kv.shape        # the K/V store: [L, 2, slots, H_kv, D]
+        b_max, s_max = table.shape           # page tables: [rows, columns] -> slot
+        assert two == 2 and L == cfg.num_hidden_layers and kv.stride(-1) == 1
+        assert table.dtype == torch.int32 and table.device == kv.device and table.is_contiguous()
+        self.table = table
         self.L, self.H_kv, self.S, self.D = L, h_kv, s_max, d
         attn0 = model.model.layers[0].self_attn
         self.Hq = cfg.num_attention_heads
@@ -365,8 +367,8 @@ class FusedDecoder:
         self.vocab = self.lm_head.shape[0]
         self.inv_freq = w.inv_freq.to(self.device)
         self.layers = w.layers
-        self.k_cache = [pool[l, 0] for l in range(L)]        # [B_max, H_kv, S, D] views
-        self.v_cache = [pool[l, 1] for l in range(L)]
+        self.k_cache = [kv[l, 0] for l in range(L)]          # [slots, H_kv, D] views
+        self.v_cache = [kv[l, 1] for l in range(L)]
 
         # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
         # to the device in one copy from a pinned host mirror (`step_host`)
@@ -445,10 +447,10 @@ class FusedDecoder:
     def _rope_append(self, lw: _Layer, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
                      rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor, slot: int = 0) -> None:
         """q = rope(qnorm(q)) of every token of `qkv` ([rows x tokens, (Hq + 2 Hkv) D], row-major tokens);
-        each token's rope(knorm(k)) and v go to the pool: token t of row b to slot `slot` + b, column
-        end - (tokens - 1) + t, except tokens at negative positions (padding) and rows >= nrows.
-        `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
-        kc, vc = self.k_cache[l][slot:], self.v_cache[l][slot:]
+        each token's rope(knorm(k)) and v go to the store: token t of row b to the slot of column
+        end - (tokens - 1) + t in table row `slot` + b, except tokens at negative positions (padding) and
+        rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
+        kc, vc, table = self.k_cache[l], self.v_cache[l], self.table[slot:]
         if self.triton:
             d = self.D
             n = rows * tokens
@@ -457,9 +459,9 @@ class FusedDecoder:
                 qkv, positions, self.inv_freq,
                 lw.q_norm if lw.q_norm is not None else self.inv_freq,
                 lw.k_norm if lw.k_norm is not None else self.inv_freq,
-                q, kc, vc, end, nrows, tokens, n,
-                qkv.stride(0), q.stride(0), q.stride(1),
-                kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                q, kc, vc, table, end, nrows, tokens, n,
+                qkv.stride(0), q.stride(0), q.stride(1), table.stride(0),
+                kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
                 lw.qk_eps,
                 HQ=self.Hq, HKV=self.H_kv, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
                 BLOCK_T=block_t, QK_NORM=lw.q_norm is not None, num_warps=1 if block_t == 1 else 4,
@@ -467,7 +469,7 @@ class FusedDecoder:
             return
         last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
         if cpu.rope_append(qkv, self._cos, self._sin, positions, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc,
-                           tokens, last - 1, n):
+                           table, tokens, last - 1, n):
             return
         hq, hkv, d = self.Hq, self.H_kv, self.D
         qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)                    # q and k heads, one RoPE
@@ -482,15 +484,10 @@ class FusedDecoder:
         roped = (qkf * cos + torch.roll(qkf, d // 2, dims=-1) * signed_sin).to(self.dtype)
         q.copy_(roped[:, :hq])
         k, v = roped[:, hq:].view(rows, tokens, hkv, d), vh.view(rows, tokens, hkv, d)
-        if tokens == 1:  # a decode step: one column of every row
-            kc[:n, :, last - 1].copy_(k[:n, 0])
-            vc[:n, :, last - 1].copy_(v[:n, 0])
-            return
-        for b in range(n):
-            new = int((positions[b * tokens:(b + 1) * tokens] >= 0).sum())  # left padding comes first
-            if new:
-                kc[b, :, last - new:last].copy_(k[b, tokens - new:].transpose(0, 1))
-                vc[b, :, last - new:last].copy_(v[b, tokens - new:].transpose(0, 1))
+        slots = table[:n, last - tokens:last].long()                           # [n, tokens]
+        write = positions[: n * tokens].view(n, tokens) >= 0                    # left padding writes nothing
+        kc[slots[write]] = k[:n][write]
+        vc[slots[write]] = v[:n][write]
 
     def _set_rope(self, positions: torch.Tensor) -> None:
         """RoPE's cos and sin [N, D/2] for the tokens at `positions` (every layer of a CPU forward shares them)."""
@@ -508,14 +505,16 @@ class FusedDecoder:
             self._allowed = (cols[None] >= self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
 
     def _attend_cpu(self, l: int, bp: int, scaling: float) -> None:
-        """Attention over columns [first, end] of the pool, read in place: 2 rows or more through lmq's C
-        kernel (`lmq_kernels.cpu.attention`: each row from its own first column), else the model's CPU
-        attention (`attention.py`), which relies on the pool's invariant that those columns hold finite
-        values."""
+        """Attention over columns [first, end] of the rows' page tables: 2 rows or more through lmq's C
+        kernel (`lmq_kernels.cpu.attention`: each row from its own first column, K/V read through the table
+        in place), else the model's CPU attention (`attention.py`) over the gathered columns (padding columns
+        point at the store's zero slot)."""
         first, end1 = self._first_int, self._end_int + 1
-        k, v = self.k_cache[l][:bp, :, first:end1], self.v_cache[l][:bp, :, first:end1]
-        if cpu.attention(self.q[:bp], k, v, self._starts, self.attn[:bp], scaling):
+        kc, vc = self.k_cache[l], self.v_cache[l]
+        if cpu.attention(self.q[:bp], kc, vc, self.table[:bp, first:end1], self._starts, self.attn[:bp], scaling):
             return
+        cols = self.table[:bp, first:end1].long()
+        k, v = kc[cols].transpose(1, 2), vc[cols].transpose(1, 2)                # [bp, H_kv, S, D]
         out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._allowed, scaling)  # [bp, 1, Hq, D]
         self.attn[:bp].copy_(out[:, 0])
 
@@ -533,8 +532,8 @@ class FusedDecoder:
             self._rope_append(lw, l, self.qkv[:bp], self.q[:bp], self.positions, bp, 1,  # q [bp, Hq, D];
                               self.end, self.nrows)                                 # K/V -> pool
             if self.triton:
-                decode_attention(self.q[:bp], self.k_cache[l][:bp], self.v_cache[l][:bp], start, self.end1,
-                                 sm_scale=lw.scaling, out=self.attn[:bp])        # [bp, Hq, D]
+                decode_attention(self.q[:bp], self.k_cache[l], self.v_cache[l], start, self.end1,
+                                 sm_scale=lw.scaling, out=self.attn[:bp], table=self.table)  # [bp, Hq, D]
             else:
                 self._attend_cpu(l, bp, lw.scaling)
             self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True)   # x += attn @ Wo^T
@@ -560,7 +559,7 @@ class FusedDecoder:
         the pool's columns in place, masked only where rows differ in length. No CUDA graph (every call has
         new shapes). Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
         B, T = len(rows), max(len(ids) for ids, _ in rows)
-        if not all(ids for ids, _ in rows) or slot + B > self.pool.shape[2] or not T <= end <= self.S:
+        if not all(ids for ids, _ in rows) or slot + B > self.table.shape[0] or not T <= end <= self.S:
             raise ValueError(f"prefill of {B} rows x {T} tokens at slot {slot}, end {end} does not fit the pool")
         N, dev = B * T, self.device
         # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1, B
@@ -592,13 +591,14 @@ class FusedDecoder:
         gu, act = x.new_empty(N, 2 * self.inter), x.new_empty(N, self.inter)
         if not self.triton:
             self._set_rope(pos_d)
+        cols = self.table[slot:slot + B, first:end].long()                     # [B, S] store slots
         with model_attention(dev):
             for l, lw in enumerate(self.layers):
                 self._rmsnorm(x, lw.in_norm, lw.eps, h)
                 self._mm(h, lw.wqkv, qkv, bias=lw.bqkv)
                 self._rope_append(lw, l, qkv, q, pos_d, B, T, end_d, nrows_d, slot)
-                k = self.k_cache[l][slot:slot + B, :, first:end]
-                v = self.v_cache[l][slot:slot + B, :, first:end]
+                k = self.k_cache[l][cols].transpose(1, 2)                       # [B, H_kv, S, D], gathered
+                v = self.v_cache[l][cols].transpose(1, 2)
                 a, _ = grouped_attention(None, q.view(B, T, hq, d).transpose(1, 2), k, v, allowed, lw.scaling)
                 self._mm(a.reshape(N, hq * d), lw.wo, x, accumulate=True)       # x += attn @ Wo^T
                 self._rmsnorm(x, lw.post_norm, lw.eps, h)

@@ -1,117 +1,149 @@
-"""`KVPool`: the K/V of the running batch in one tensor, in the layout the prefix trie and the decode
-kernel share (see `lmq_backend/cache/trie.py` and `kernels/decode_attention.py`):
+"""`KVPool`: the running batch as page tables into the backend's `KVStore` (layout: `cache/kv_store.py`).
 
-    data: [L, 2, R, H_kv, S, D]     layer, K/V, row slot, kv head, column, head dim
+    table: [R, S] int32      row slot, column -> store slot (host; a device mirror on a GPU)
 
-Rows live in slots 0..rows-1 and are left-padded: row r's valid tokens occupy columns
-[start[r], end), with `end` common to every row. A prefill writes the new rows' tokens so that they
-end at `end` too, a decode step writes column `end` of every row and advances it. The pool keeps
-free columns on the left (`headroom`) so that a joining row longer than the others rarely forces a
-shift, and free columns on the right for decode steps; both are restored by `make_room`, which shifts
-or regrows the tensor.
+Rows live in slots 0..rows-1 and are left-padded: row r's tokens occupy columns [start[r], end), with `end`
+common to every row, and column c of row r holds the K/V of store slot table[r, c]. A row's cached prefix
+is the trie's slots written into its table (no K/V is copied); its new tokens get slots of their own
+(owner ROW). Columns left of a row's start point at the store's zero slot, so attention that reads a
+batch from its first column (the torch paths) reads zeros there, never stale memory. Columns
+[end, ahead) of every row already have slots (a decode step writes column `end`, and a GPU step run ahead
+writes `end + 1` before the host sees it).
 
-Invariant: every row's columns from the pool's first valid column (the smallest `start`) to `end` hold
-finite values (its own K/V, zeros or stale K/V), because attention reads that whole range and a masked
-NaN would still poison the softmax-weighted sum. The tensor itself is allocated uninitialised (zeroing
-gigabytes on every regrow costs seconds on a CPU); `add_rows` zeroes what the range newly takes in.
+Geometry (as the old dense pool's, but in ints): free columns on the left (`headroom`) let a joining row
+longer than the others in without a shift; `make_room` shifts or regrows the table; `remove_row` moves
+the last row's table row into the freed slot, so slots stay dense.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from ..cache.kv_store import ZERO_SLOT, KVStore
 
 
 class KVPool:
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 rows: int = 4, columns: int = 256, headroom: int = 128):
-        self.shape = (layers, heads, head_dim)
-        self.dtype, self.device = dtype, device
+    def __init__(self, store: KVStore, rows: int = 4, columns: int = 256, headroom: int = 128):
+        self.store = store
+        self.shape = store.shape
+        self.dtype, self.device = store.dtype, store.device
         self.headroom = headroom
-        self.data = torch.empty(layers, 2, rows, heads, columns, head_dim, dtype=dtype, device=device)
+        self.table = torch.full((rows, columns), ZERO_SLOT, dtype=torch.int32)
+        self.mirror = None if self.device.type == "cpu" else torch.full_like(self.table, ZERO_SLOT, device=self.device)
         self.rows = 0                 # slots in use: 0..rows-1
         self.start: list[int] = []    # per slot: first valid column
         self.end = headroom           # common end of every row's valid columns
+        self.ahead = headroom         # columns [end, ahead) of every row have slots
         self.version = 0              # bumped by every change but a decode step's column (run-ahead keys)
+        self._dirty: list[tuple[int, int, int, int]] = []  # (row lo, row hi, col lo, col hi) not yet mirrored
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The store's K/V ([L, 2, N, H_kv, D])."""
+        return self.store.data
 
     # ----- geometry ---------------------------------------------------------------------------------
 
     @property
     def row_capacity(self) -> int:
-        return self.data.shape[2]
+        return self.table.shape[0]
 
     @property
     def column_capacity(self) -> int:
-        return self.data.shape[4]
+        return self.table.shape[1]
 
     def length(self, slot: int) -> int:
         return self.end - self.start[slot]
 
     def make_room(self, rows: int, longest: int, extra: int) -> None:
         """Ensure `rows` slots, that a row of `longest` tokens fits left of `end`, and `extra` free columns
-        right of `end`: shift the rows in place, or regrow the tensor, keeping every row's contents."""
+        right of `end` (plus one for a step run ahead): shift the table's rows, or regrow it."""
         used_from = min(self.start[: self.rows], default=self.end)
         need_left = max(longest - self.end, 0)
-        if rows <= self.row_capacity and need_left == 0 and self.end + extra <= self.column_capacity:
+        if rows <= self.row_capacity and need_left == 0 and self.ahead + extra + 1 <= self.column_capacity:
             return
         self.version += 1
-        span = self.end - used_from                          # columns holding valid tokens
-        new_end = max(span, longest) + self.headroom
-        needed = new_end + extra + self.headroom
-        # Grow geometrically: a regrow allocates and zeroes the whole pool, so it must stay rare.
+        span = self.ahead - used_from
+        new_end = max(self.end - used_from, longest) + self.headroom
+        shift = self.end - new_end
+        needed = new_end + (self.ahead - self.end) + extra + 1 + self.headroom
         columns = max(needed, 5 * self.column_capacity // 4) if needed > self.column_capacity else self.column_capacity
         row_capacity = max(3 * self.row_capacity // 2, rows) if rows > self.row_capacity else self.row_capacity
-        if rows <= self.row_capacity and new_end + extra <= self.column_capacity:
-            # Shift the rows inside the same tensor (the pool's address stays: CUDA graphs keep working).
-            self.data[:, :, :, :, new_end - span:new_end] = self.data[:, :, :, :, used_from:self.end].clone()
-        else:
-            grown = torch.empty(*self.data.shape[:2], row_capacity, self.shape[1], columns, self.shape[2],
-                                dtype=self.dtype, device=self.device)
-            grown[:, :, : self.rows, :, new_end - span:new_end] = self.data[:, :, : self.rows, :, used_from:self.end]
-            self.data = grown
-        shift = self.end - new_end
+        new = torch.full((row_capacity, columns), ZERO_SLOT, dtype=torch.int32)
+        lo = used_from - shift
+        new[: self.rows, lo:lo + span] = self.table[: self.rows, used_from:self.ahead]
+        self.table = new
+        if self.mirror is not None:
+            if self.mirror.shape != new.shape:
+                self.mirror = torch.full_like(new, ZERO_SLOT, device=self.device)
+            self._dirty = [(0, row_capacity, 0, columns)]
         self.start = [s - shift for s in self.start]
-        self.end = new_end
+        self.end, self.ahead = new_end, self.ahead - shift
+
+    def reserve(self, columns: int) -> None:
+        """Give every row slots for columns [end, end + columns) (decode steps, and one run ahead)."""
+        hi = self.end + columns
+        if hi <= self.ahead or not self.rows:
+            return
+        assert hi <= self.column_capacity, "make_room first"
+        width = hi - self.ahead
+        slots = self.store.alloc(self.rows * width)
+        self.table[: self.rows, self.ahead:hi] = torch.from_numpy(slots.reshape(self.rows, width))
+        self._mark(0, self.rows, self.ahead, hi)
+        self.ahead = hi
 
     # ----- rows -------------------------------------------------------------------------------------
 
     def add_rows(self, lengths: list[int]) -> list[int]:
-        """Reserve slots for rows of the given lengths (ending at `end`); returns their slots."""
+        """Reserve slots for rows of the given lengths (ending at `end`); returns their slots. Their tables
+        point at the zero slot until `set_row` fills them."""
         self.version += 1
         slots = list(range(self.rows, self.rows + len(lengths)))
-        old_first = min(self.start, default=self.end)
-        starts = [self.end - n for n in lengths]
-        first = min(old_first, *starts)
-        if first < old_first and self.rows:  # the range read by attention grows to the left
-            self.data[:, :, : self.rows, :, first:old_first].zero_()
-        for slot, s in zip(slots, starts):
-            self.data[:, :, slot, :, first:s].zero_()
-        self.start.extend(starts)
+        self.start.extend(self.end - n for n in lengths)
         self.rows += len(lengths)
         return slots
 
-    def write_segments(self, slot: int, segments: list[torch.Tensor], first_column: int) -> None:
-        """Copy trie segments ([L, 2, H, T, D] each) into a slot, from `first_column` on."""
-        self.version += 1
-        col = first_column
-        for s in segments:
-            self.data[:, :, slot, :, col:col + s.shape[3]].copy_(s)
-            col += s.shape[3]
+    def set_row(self, slot: int, cached: np.ndarray, new: int) -> None:
+        """Row `slot`'s table: the `cached` prefix's trie slots, then `new` slots of its own for its new
+        tokens and for the columns [end, ahead) every row has. Raises `OutOfSlots` (nothing taken)."""
+        s = self.start[slot]
+        own = self.store.alloc(new + self.ahead - self.end)
+        row = self.table[slot]
+        row[s:s + len(cached)] = torch.from_numpy(np.ascontiguousarray(cached, dtype=np.int32))
+        row[s + len(cached):self.ahead] = torch.from_numpy(own)
+        self._mark(slot, slot + 1, s, self.ahead)
+
+    def row_slots(self, slot: int) -> np.ndarray:
+        """Every store slot row `slot` points at (its prefix's, its own, those reserved ahead)."""
+        return self.table[slot, self.start[slot]:self.ahead].numpy()
+
+    def release_row(self, slot: int) -> None:
+        """Free the slots the row owns (not the trie's): before `remove_row`, or when a failed prefill's rows
+        are dropped."""
+        self.store.free_rows(self.row_slots(slot))
+        self.table[slot, self.start[slot]:self.ahead] = ZERO_SLOT
 
     def clear(self) -> None:
-        """Drop every row (the tensor stays allocated for the next ones)."""
-        self.rows, self.start, self.end = 0, [], self.headroom
+        """Drop every row, freeing their slots (the table stays allocated for the next ones)."""
+        for slot in range(self.rows):
+            self.release_row(slot)
+        self.rows, self.start, self.end, self.ahead = 0, [], self.headroom, self.headroom
         self.version += 1
 
     def remove_row(self, slot: int) -> int | None:
-        """Free a slot, moving the last row into it to keep slots dense; returns the moved row's old
-        slot (its new slot is `slot`), or None. Only the moved row's valid columns are copied: the
-        slot's columns left of them still hold the freed row's finite values (the invariant above)."""
+        """Free a row's slots and its table row, moving the last row into it to keep rows dense; returns the
+        moved row's old slot (its new slot is `slot`), or None."""
         self.version += 1
+        self.release_row(slot)
         last = self.rows - 1
         moved = None
         if slot != last:
             s = self.start[last]
-            self.data[:, :, slot, :, s:self.end].copy_(self.data[:, :, last, :, s:self.end])
-            self.start[slot] = self.start[last]
+            self.table[slot, s:self.ahead] = self.table[last, s:self.ahead]
+            self.table[slot, :s] = ZERO_SLOT
+            self.table[last, s:self.ahead] = ZERO_SLOT
+            self._mark(slot, slot + 1, 0, self.ahead)
+            self.start[slot] = s
             moved = last
         self.start.pop()
         self.rows -= 1
@@ -119,8 +151,43 @@ class KVPool:
             self.clear()
         return moved
 
-    def segment(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of a row (positions in the row, not columns), trie layout [L, 2, H, T, D]:
-        a view, which the trie copies."""
+    def segment(self, slot: int, start: int, end: int) -> np.ndarray:
+        """The store slots of tokens [start, end) of a row (positions in the row, not columns): a copy."""
         base = self.start[slot]
-        return self.data[:, :, slot, :, base + start:base + end]
+        return self.table[slot, base + start:base + end].numpy().copy()
+
+    def segment_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """The K/V of tokens [start, end) of a row, [L, 2, H_kv, T, D] (a copy, for scoring)."""
+        return self.store.gather(torch.from_numpy(self.segment(slot, start, end))).transpose(2, 3)
+
+    # ----- what the kernels read --------------------------------------------------------------------
+
+    def device_table(self) -> torch.Tensor:
+        """The table on the store's device, with every change made since the last call."""
+        if self.mirror is None:
+            return self.table
+        for r0, r1, c0, c1 in self._dirty:
+            self.mirror[r0:r1, c0:c1].copy_(self.table[r0:r1, c0:c1])
+        self._dirty.clear()
+        return self.mirror
+
+    def columns(self, rows: slice, first: int, end: int) -> torch.Tensor:
+        """Store slots of columns [first, end) of rows `rows`, [B, end - first] int64 on the device."""
+        return self.table[rows, first:end].to(self.device, torch.long)
+
+    def _mark(self, r0: int, r1: int, c0: int, c1: int) -> None:
+        if self.mirror is not None:
+            self._dirty.append((r0, r1, c0, c1))
+
+
+def paged_view(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense batch cache `[L, 2, B, H_kv, S, D]` (unit last stride, rows a whole number of columns apart)
+    seen as a K/V store and page tables, for tests and benchmarks that fill K/V by row and column: returns
+    (kv [L, 2, N, H_kv, D], a strided view of `dense`, and table int32 [B, S] on its device) with
+    kv[:, :, table[b, s]] == dense[:, :, b, :, s]."""
+    L, two, B, H, S, D = dense.shape
+    s0, s1, sb, sh, ss, sd = dense.stride()
+    assert sd == 1 and sb % ss == 0
+    kv = dense.as_strided((L, two, (B - 1) * (sb // ss) + S, H, D), (s0, s1, ss, sh, 1))
+    table = torch.arange(B, dtype=torch.int32)[:, None] * (sb // ss) + torch.arange(S, dtype=torch.int32)[None]
+    return kv, table.to(dense.device)

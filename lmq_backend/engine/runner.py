@@ -1,10 +1,11 @@
 """The model runner: batched forwards of a Hugging Face causal LM over the rows of a `KVPool`.
 
 Prefill (many new tokens per row) and decode (one token per row) run through the model's normal forward,
-with a transformers cache that reads and writes the pool in place (`compat.pool_cache`), except for
-Llama-family models: their decode steps run lmq's fused step (`fused_decode.py`), and on a GPU so do
-their prefills (`FusedDecoder.prefill`, the same layer loop over many tokens). K/V
-leave the pool for the prefix trie as `pool.segment(...)` views in the trie layout `[L, 2, H, T, D]`.
+with a transformers cache that writes the new K/V into the rows' store slots and reads every column through
+their page tables (`compat.pool_cache`), except for Llama-family models: their decode steps run lmq's fused
+step (`fused_decode.py`), whose kernels read the page tables themselves, and on a GPU so do their prefills
+(`FusedDecoder.prefill`, the same layer loop over many tokens). K/V never leave the store: a finished
+segment's slots (`pool.segment(...)`) pass to the prefix trie.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+import numpy as np
+
+from ..cache.kv_store import KVStore
 from . import compat
 from .attention import model_attention
 from .kv_pool import KVPool
@@ -19,9 +23,9 @@ from .kv_pool import KVPool
 
 @dataclass(slots=True)
 class PrefillRow:
-    """One row of a prefill: `cached` tokens whose K/V are the trie `segments`, then new token `ids`."""
+    """One row of a prefill: `cached` tokens whose K/V are in the trie's store `slots`, then new token `ids`."""
 
-    segments: list[torch.Tensor]
+    slots: np.ndarray
     cached: int
     ids: list[int]
 
@@ -50,15 +54,19 @@ class ModelRunner:
             raise ValueError("fused_prefill needs the fused decoder (a supported Llama-family model)")
         if fused:  # lay the weights out now: every forward, the first prefill included, reads the same layout
             _fused_module().decoder_weights(model)
-        self._decoder = None  # (FusedDecoder, the pool tensor it was built on)
+        self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self.picks = None     # the last decode step's greedy picks on the device (`DevicePicks`), or None
         compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
 
-    def new_pool(self) -> KVPool:
-        if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the pool's address
-            return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device, rows=self.max_batch, columns=4096)
-        return KVPool(*self.kv_shape, dtype=self.dtype, device=self.device)
+    def new_store(self, capacity: int) -> KVStore:
+        """The K/V store of `capacity` token slots (see `cache/kv_store.py`)."""
+        return KVStore(*self.kv_shape, dtype=self.dtype, device=self.device, capacity=capacity)
+
+    def new_pool(self, store: KVStore) -> KVPool:
+        if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the table's address
+            return KVPool(store, rows=self.max_batch, columns=4096)
+        return KVPool(store)
 
     def _forward(self, *args, **kwargs):
         """The model's own forward (`compat.forward`), with the engine's choice of attention backends."""
@@ -74,9 +82,10 @@ class ModelRunner:
         self._decoder = None
 
     def _fused_decoder(self, pool: KVPool):
-        if self._decoder is None or self._decoder[1] is not pool.data:  # the pool was regrown
-            self._decoder = (_fused_module().FusedDecoder(self.model, pool.data, self.max_batch,
-                                                          greedy_masks=self.greedy_masks), pool.data)
+        table = pool.device_table()
+        if self._decoder is None or self._decoder[1] is not table:  # the table was regrown
+            self._decoder = (_fused_module().FusedDecoder(self.model, pool.data, table, self.max_batch,
+                                                          greedy_masks=self.greedy_masks), table)
         return self._decoder[0]
 
     def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | None] | None) -> torch.Tensor:
@@ -95,7 +104,7 @@ class ModelRunner:
         logits: list[torch.Tensor | None] = [None] * len(rows)
         slots: list[int] = [0] * len(rows)
         # room for every group at once: growing the pool group by group would copy it each time
-        pool.make_room(pool.rows + len(rows), max(r.cached + len(r.ids) for r in rows), extra=1)
+        pool.make_room(pool.rows + len(rows), max(r.cached + len(r.ids) for r in rows), extra=2)
         for group in _length_groups([len(r.ids) for r in rows]):
             group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
             for i, row_logits, slot in zip(group, group_logits, group_slots):
@@ -106,16 +115,23 @@ class ModelRunner:
     def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and run their new tokens as one left-padded forward.
 
-        Row i's cached K/V go to columns [end - n_i - m_i, end - m_i) and its m_i new tokens to
-        [end - m_i, end): every row ends at the pool's common `end`, with no gap, so the batch is
-        realigned by construction. Returns (last-position logits [B, V] float32, the rows' slots)."""
+        Row i's cached prefix takes columns [end - n_i - m_i, end - m_i) of its page table (the trie's slots)
+        and its m_i new tokens [end - m_i, end) (slots of its own): every row ends at the pool's common
+        `end`, so the batch is realigned by construction, through the tables, with no K/V copied. Returns
+        (last-position logits [B, V] float32, the rows' slots); raises `OutOfSlots` with the rows removed
+        again when the store cannot hold their new tokens."""
         assert all(r.ids for r in rows), "a prefill row needs at least one new token"
         lengths = [r.cached + len(r.ids) for r in rows]
         width, longest = max(len(r.ids) for r in rows), max(lengths)
-        pool.make_room(pool.rows + len(rows), longest, extra=1)
+        pool.make_room(pool.rows + len(rows), longest, extra=2)
         slots = pool.add_rows(lengths)
-        for slot, row, n in zip(slots, rows, lengths):
-            pool.write_segments(slot, row.segments, pool.end - n)
+        try:
+            for slot, row in zip(slots, rows):
+                pool.set_row(slot, row.slots, len(row.ids))
+        except Exception:
+            for slot in reversed(slots):
+                pool.remove_row(slot)
+            raise
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
             # The fused step costs a fraction of the model's forward (Llama-1B on an H200: ~1 ms instead
@@ -141,8 +157,8 @@ class ModelRunner:
         # prefill of a 1B model on an H200: 13.3 ms instead of 17.9 ms with an all-ones mask).
         padded = any(len(r.ids) != width for r in rows)
         ragged = padded or any(n != longest for n in lengths)
-        cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width,
-                                  write.to(self.device) if padded else None)
+        cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width, width,
+                                  write if padded else None)
         logits, _ = self._forward(ids.to(self.device), mask.to(self.device) if ragged else None,
                                    positions.to(self.device), cache)
         return logits[:, -1].float(), slots
@@ -167,7 +183,7 @@ class ModelRunner:
                 mask[i, s - first:] = 1
             mask = mask.to(self.device)
         positions = torch.tensor([[pool.end - s] for s in starts])
-        cache = compat.pool_cache(pool, rows, first, length)
+        cache = compat.pool_cache(pool, rows, first, length, 1)
         logits, _ = self._forward(torch.tensor(tokens)[:, None].to(self.device),
                                    mask, positions.to(self.device), cache)
         return logits[:, -1].float()

@@ -11,8 +11,11 @@ task runs the steps:
         elif every running row has its next token:  one decode forward for the whole batch
 
 Rows join and leave between steps. A prefill that waits behind another one sharing a long uncached
-prefix is held back a round, so the shared part is computed once and then found in the trie. An
-out-of-memory error splits the batch and retries the halves.
+prefix is held back a round, so the shared part is computed once and then found in the trie. Prefills are
+admitted while the K/V store has slots for their new tokens and room for the running rows to grow
+(`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
+out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
+does not fit waits for running rows to leave.
 """
 from __future__ import annotations
 
@@ -23,11 +26,14 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..cache.kv_store import KVStore, OutOfSlots
 from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
 from .runner import ModelRunner, PrefillRow
 
 SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
+AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
+DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
 
 
 class PrefillRequest(Protocol):
@@ -70,6 +76,7 @@ class _Waiting:
 @dataclass
 class Scheduler:
     runner: ModelRunner
+    store: KVStore
     max_prefill_tokens: int = 16384
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[_Waiting] = field(default_factory=list)
@@ -78,7 +85,7 @@ class Scheduler:
     decodes: dict[int, tuple[int, int | None, asyncio.Future]] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.pool = self.runner.new_pool()
+        self.pool = self.runner.new_pool(self.store)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._bound: asyncio.AbstractEventLoop | None = None
@@ -183,11 +190,16 @@ class Scheduler:
         ready.sort(key=lambda w: -w.row.cached)
         chosen: list[_Waiting] = []
         tokens = 0
+        room = self.store.available() - DECODE_RESERVE * len(self.rows)
         for w in ready:
             shares = any(self._shares_new_prefix(w, c) for c in chosen)
             if shares or (chosen and tokens + len(w.row.ids) > self.max_prefill_tokens):
                 continue
+            need = len(w.row.ids) + AHEAD + DECODE_RESERVE
+            if need > room and (chosen or self.rows):  # wait for rows to leave (alone, it is tried anyway)
+                continue
             chosen.append(w)
+            room -= need
             tokens += len(w.row.ids)
         return chosen
 
@@ -212,11 +224,16 @@ class Scheduler:
         started = time.perf_counter()
         try:
             logits, slots = self.runner.prefill(self.pool, [w.row for w in batch])
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, OutOfSlots) as e:
             while self.pool.rows > len(self.rows):
                 self.pool.remove_row(self.pool.rows - 1)
             if len(batch) == 1:
-                batch[0].future.set_exception(LMQBackendError("out of memory prefilling one query"))
+                if self.rows:  # running rows will leave and free their slots: wait for them
+                    self.waiting.append(_Waiting(batch[0].request, batch[0].future))
+                    return
+                what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
+                batch[0].future.set_exception(LMQBackendError(
+                    f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
                 return
             half = len(batch) // 2
             self._prefill(batch[:half])
@@ -245,7 +262,8 @@ class Scheduler:
         started = time.perf_counter()
         tokens = [self.decodes[id(row)][0] for row in self.rows]
         ahead = [self.decodes[id(row)][1] for row in self.rows]
-        self.pool.make_room(self.pool.rows, 0, extra=1)
+        self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
+        self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(self.rows)), tokens, ahead)
         picks = self.runner.picks
         cached = sum(self.pool.length(row.slot) for row in self.rows)

@@ -1,0 +1,160 @@
+"""`KVStore`: every token's K/V of a backend, in one paged store shared by the prefix trie and the running batch.
+
+The K/V layout (the one place it is written down; the trie, the page-table pool, the runner and the
+kernels all follow it)
+----------------------------------------------------------------------------------------------------
+    store.data: [L, 2, N, H_kv, D]     layer, 0=K / 1=V, slot, kv head, head dim   (model dtype, device)
+
+A **slot** is a page of one token: one token's K (after RoPE) and V for every layer and kv head. Pages of
+one token let the trie share any prefix down to a token boundary (a segment may end anywhere) with no
+copy-on-write of partly filled pages, as SGLang's RadixAttention does; per layer the slots are the rows
+of `data[l, k]`, `[N, H_kv, D]`, so a kernel reads a token's head vector at `slot * H_kv * D + h * D`.
+
+Who holds a slot (`owner[slot]`):
+    FREE     on the free list
+    ROW      a running row's own K/V (written by its prefill or decode steps, or reserved for the next ones)
+    TRIE     a trie node's (`TrieNode.slots`); running rows read them through their page tables while
+             their query pins the node
+    RESERVED slot 0: all zeros, the page that padding columns of a page table point to
+
+A running row is a page table (see `engine/kv_pool.py`): column -> slot. A trie hit writes the cached
+prefix's slots into the row's table and copies no K/V; a finished segment's slots pass from ROW to TRIE
+(`take`); a row that leaves frees its ROW slots; trie eviction frees a node's slots. `check` asserts these
+invariants for tests.
+
+Memory: the store is allocated once at its full size (`capacity` slots) with `torch.empty`; on a CPU the
+operating system commits pages only when they are first written, and free slots are handed out lowest
+first, so a store sized for the worst case costs what is used. On a GPU the size is fixed up front (CUDA
+graphs capture its address).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+FREE, ROW, TRIE, RESERVED = 0, 1, 2, 3
+ZERO_SLOT = 0
+
+
+class OutOfSlots(Exception):
+    """The store cannot give that many slots now (even after evicting every unpinned trie leaf)."""
+
+
+class KVStore:
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int):
+        if capacity < 2:
+            raise ValueError("a KV store needs at least 2 slots")
+        self.shape = (layers, heads, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.data = torch.empty(layers, 2, capacity, heads, head_dim, dtype=dtype, device=self.device)
+        self.data[:, :, ZERO_SLOT].zero_()
+        self.owner = np.zeros(capacity, dtype=np.int8)
+        self.owner[ZERO_SLOT] = RESERVED
+        # free slots as a stack, lowest on top: the lowest slots are reused first (a CPU store's untouched
+        # pages stay uncommitted)
+        self._free = np.arange(capacity - 1, 0, -1, dtype=np.int32)
+        self._n_free = capacity - 1
+        self.bytes_per_token = 2 * layers * heads * head_dim * self.data.element_size()
+        # called with a slot count when the free list runs short: frees unpinned trie slots
+        self.reclaim: Callable[[int], object] | None = None
+        # how many slots evicting every unpinned trie node would free
+        self.evictable: Callable[[], int] | None = None
+        self.peak_used = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def free_slots(self) -> int:
+        return self._n_free
+
+    @property
+    def used_slots(self) -> int:
+        return self.capacity - 1 - self._n_free
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer: [N, H_kv, D] each, views."""
+        return self.data[layer, 0], self.data[layer, 1]
+
+    # ----- slots ----------------------------------------------------------------------------------------
+
+    def available(self) -> int:
+        """Slots that `alloc` can give now, counting what evicting unpinned trie leaves would free."""
+        return self._n_free + (self.evictable() if self.evictable is not None else 0)
+
+    def alloc(self, n: int) -> np.ndarray:
+        """n slots for a row (owner ROW), int32; evicts unpinned trie leaves if the free list is short;
+        raises OutOfSlots (taking none) if that is still not enough."""
+        if n <= 0:
+            return np.empty(0, dtype=np.int32)
+        if n > self._n_free and self.reclaim is not None:
+            self.reclaim(n - self._n_free)
+        if n > self._n_free:
+            raise OutOfSlots(f"{n} K/V slots wanted, {self._n_free} free of {self.capacity - 1}")
+        top = self._n_free
+        slots = self._free[top - n:top][::-1].copy()
+        self._n_free = top - n
+        self.owner[slots] = ROW
+        self.peak_used = max(self.peak_used, self.used_slots)
+        return slots
+
+    def free(self, slots: np.ndarray) -> None:
+        """Return slots to the free list (ROW or TRIE slots; each at most once)."""
+        if len(slots) == 0:
+            return
+        assert (self.owner[slots] != FREE).all() and (self.owner[slots] != RESERVED).all(), "double free"
+        self.owner[slots] = FREE
+        top = self._n_free
+        self._free[top:top + len(slots)] = np.sort(slots)[::-1]
+        self._n_free = top + len(slots)
+
+    def free_rows(self, slots: np.ndarray) -> int:
+        """Free those of `slots` that a row owns (a row's table also points at trie and zero slots);
+        returns how many."""
+        mine = np.unique(slots[self.owner[slots] == ROW])
+        self.free(mine)
+        return len(mine)
+
+    def take(self, slots: np.ndarray) -> None:
+        """ROW -> TRIE: a finished segment's slots now belong to a trie node."""
+        assert (self.owner[slots] == ROW).all(), "the trie can only take a row's own slots"
+        self.owner[slots] = TRIE
+
+    # ----- K/V ------------------------------------------------------------------------------------------
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K/V of `slots` (int, any shape S...) as [L, 2, S..., H_kv, D] (a copy)."""
+        return self.data[:, :, slots.to(self.device, torch.long)]
+
+    def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """data[:, :, slots] = kv ([L, 2, n, H_kv, D])."""
+        self.data[:, :, slots.to(self.device, torch.long)] = kv
+
+    # ----- invariants -----------------------------------------------------------------------------------
+
+    def check(self, trie_slots: list[np.ndarray] | None = None, row_tables: list[np.ndarray] | None = None) -> None:
+        """Assert the ownership invariants: the free list holds exactly the FREE slots, each once; given the
+        trie's node slots, they are exactly the TRIE slots, disjoint; given the running rows' table
+        entries, every slot they use is owned (not FREE), and each ROW slot belongs to one row."""
+        free = self._free[: self._n_free]
+        assert len(np.unique(free)) == len(free), "a slot is twice on the free list"
+        assert (self.owner[free] == FREE).all(), "a slot on the free list is owned"
+        assert (self.owner == FREE).sum() == self._n_free, "a FREE slot is missing from the free list"
+        assert self.owner[ZERO_SLOT] == RESERVED
+        if trie_slots is not None:
+            held = np.concatenate(trie_slots) if trie_slots else np.empty(0, dtype=np.int32)
+            assert len(np.unique(held)) == len(held), "two trie nodes share a slot"
+            assert (self.owner[held] == TRIE).all(), "a trie node holds a slot it does not own"
+            assert (self.owner == TRIE).sum() == len(held), "a TRIE slot belongs to no node"
+        if row_tables is not None:
+            seen: set[int] = set()
+            for table in row_tables:
+                assert (self.owner[table] != FREE).all(), "a running row reads a free slot"
+                own = set(np.unique(table[self.owner[table] == ROW]).tolist())
+                assert not own & seen, "two rows own one slot"
+                seen |= own
+            assert len(seen) == (self.owner == ROW).sum(), "a ROW slot belongs to no running row"
