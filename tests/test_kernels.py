@@ -91,6 +91,52 @@ def test_decode_matches_reference_fp32(B, Hkv, G, S, D, end, splits, end_as_tens
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def _scatter_pages(k, v, gen):
+    """Dense K/V [B, Hkv, S, D] scattered into a paged store [N, Hkv, D] in a random slot order, with the page
+    table [B, S] that reads them back (lmq_backend/cache/kv_store.py's layout); unused slots hold NaN."""
+    B, Hkv, S, D = k.shape
+    n = 3 * B * S + 7
+    order = torch.randperm(n, generator=gen)[: B * S]
+    table = order.view(B, S).to(torch.int32).to(k.device)
+    stores = []
+    for x in (k, v):
+        store = torch.full((n, Hkv, D), float("nan"), dtype=x.dtype, device=x.device)
+        store[table.long()] = x.transpose(1, 2)
+        stores.append(store)
+    return stores[0], stores[1], table
+
+
+def _paged_case(B, Hkv, G, S, D, end, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, start = _make(B, Hkv, G, S, D, end, dtype=dtype, device=device, gen=gen)
+    ks, vs, table = _scatter_pages(k, v, gen)
+    return q, k, v, ks, vs, table, start
+
+
+@needs_interp
+@pytest.mark.parametrize("B,Hkv,G,S,D,end,splits", [(3, 2, 2, 40, 32, 40, None), (4, 1, 3, 70, 16, 61, 4),
+                                                    (2, 2, 4, 64, 64, 50, 2)])
+def test_paged_decode_reads_through_the_table(B, Hkv, G, S, D, end, splits):
+    """The paged kernel over a store in random slot order equals the dense kernel's reference: a wrong slot
+    lookup reads another row's K/V or a NaN slot."""
+    q, k, v, ks, vs, table, start = _paged_case(B, Hkv, G, S, D, end, torch.float32, "cpu", 50 + S)
+    out = decode_attention(q, ks, vs, start, torch.tensor([end], dtype=torch.int32), num_splits=splits,
+                           block_n=16, table=table)
+    ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_cuda(dtype):
+    q, k, v, ks, vs, table, start = _paged_case(16, 8, 4, 2048, 64, 2000, dtype, "cuda", 3)
+    out = decode_attention(q, ks, vs, start, torch.tensor([2000], dtype=torch.int32, device="cuda"), table=table)
+    ref = decode_attention_reference(q, k, v, start, 2000, compute_dtype=torch.float64)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 @needs_interp
 @pytest.mark.parametrize("G,use_dot", [(2, True), (16, False)])
 def test_both_inner_products(G, use_dot):
