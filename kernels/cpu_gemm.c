@@ -1,81 +1,154 @@
 /* Small-M float32 GEMM for CPU decode steps: y[M, N] (+)= x[M, K] @ W, with W stored K-major ([K, N],
  * row stride ldw), the layout lmq's CPU path keeps the model's Linear weights in (fused_decode._k_major).
  *
- * Why: at 2-16 rows a decode step's GEMMs stream every weight once and do little arithmetic per byte, so
+ * Why: at 1-16 rows a decode step's GEMMs stream every weight once and do little arithmetic per byte, so
  * they should cost what one row costs. BLAS small-M paths do not get there (MKL, SmolLM2-135M's 30 layers
  * on two AVX-512 cores: 20 ms at 1 row, 32 ms at 8). What costs the time is memory latency: each thread
- * reads KC weight rows at a time in short segments (a thread's share of a row is 1-12 KB), too short for
- * the hardware prefetchers to run ahead. This kernel asks for the next chunk's rows explicitly while it
- * computes on the current one, and reaches ~25 ms at 8 rows (weights at ~17 GB/s).
+ * reads a chunk of weight rows at a time in short segments (a thread's share of a row is 1-12 KB), too
+ * short for the hardware prefetchers to run ahead. This kernel asks for the next chunk's rows explicitly
+ * while it computes on the current one (~25 ms at 8 rows there: weights at ~17 GB/s).
+ *
+ * Shape per instruction set (cpu_simd.h's vf: the target's own vector of LMQ_VL lanes): a register block
+ * is MR rows x NV vectors of accumulators, plus NV weight vectors and a broadcast, within the target's
+ * registers: AVX-512 (32 x 16 lanes) 8 x 2 (16 accumulators), AVX2/AVX (16 x 8 lanes) and SSE/generic
+ * (16 x 4) 4 x 3 (12), NEON (32 x 4) 8 x 2. More rows than MR are further passes over the same chunk's
+ * weights (from L1). (One 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to
+ * 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at build time (for measurements).
+ *
+ * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (the accumulators go back
+ * to y between chunks: more rows of x amortise that over longer chunks), 4 and 8 when the weight's row
+ * stride is a multiple of 4 KB (the lm_head of a 49152 vocabulary, a 3072-wide gate_up): such rows share
+ * their cache sets, and a long chunk is evicted before it is used (measured on Zen 3, 1 thread). A thread walks its columns in panels of
+ * LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in L2 until used). Weights under 64K elements run
+ * on one thread (a second one costs more than it saves).
  *
  * Exactness: every output is one fused multiply-add chain over k = 0..K-1 in order, whatever M, the
- * thread count or the column block it falls in, so a row's result does not depend on the other rows of
- * the batch (a decode step gives each row the same logits batched as alone).
+ * thread count, the blocking or the column block it falls in, so a row's result does not depend on the
+ * other rows of the batch (a decode step gives each row the same logits batched as alone).
  *
- * Built at first use with the machine's C compiler (-march=native: AVX-512, AVX2 or whatever the CPU
- * has; GCC's vector extensions), see cpu.py. OpenMP: the process's runtime (torch's libgomp).
+ * Built at first use with the machine's C compiler (-march=native, or a chosen target: cpu_build.py).
+ * OpenMP: the process's runtime (torch's libgomp).
  */
 #include <string.h>
 #include <omp.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#include "cpu_simd.h"
 
-#define NB 32        /* output columns per register block: two 16-float vectors */
-#define MR 8         /* rows per pass: MR x 2 accumulators stay in registers */
-#define KC 16        /* weight rows per chunk; the next chunk's rows are prefetched during this one */
+#ifndef LMQ_GEMM_MR
+#if LMQ_VREGS >= 32
+#define LMQ_GEMM_MR 8
+#else
+#define LMQ_GEMM_MR 4
+#endif
+#endif
+#ifndef LMQ_GEMM_NV
+#if LMQ_VREGS >= 32
+#define LMQ_GEMM_NV 2
+#else
+#define LMQ_GEMM_NV 3
+#endif
+#endif
 
+#define MR LMQ_GEMM_MR               /* rows per pass */
+#define NV LMQ_GEMM_NV               /* vectors of columns per register block */
+#define NB (NV * LMQ_VL)             /* output columns per register block */
+#ifndef LMQ_GEMM_SERIAL_BELOW
+#define LMQ_GEMM_SERIAL_BELOW (1L << 16)   /* weights of fewer elements (256 KB) run on one thread */
+#endif
+#ifndef LMQ_GEMM_PANEL_KB
+#define LMQ_GEMM_PANEL_KB 128   /* a chunk's weight rows x a panel's columns: what is prefetched ahead */
+#endif
+
+/* Rows [0, M) x columns [n, n + V * LMQ_VL) over weight rows [0, K) from here (w holds k_left rows from
+ * here on: the next chunk's are prefetched when `prefetch`). M and V are constants in each instance. */
 static inline __attribute__((always_inline)) void block(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-        const int M, long K, long k_left, long n, int accumulate) {
-    /* rows [0, K) of w from here; w holds k_left rows from here on (the next chunk's are prefetched) */
-    v16 a[MR][2];
+        const int M, const int V, long K, long k_left, long n, int accumulate, int prefetch, long kc_rows) {
+    vf a[MR][NV];    /* fixed sizes (not M, V: a variable-length array would live on the stack) */
+    _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++)
-        for (int j = 0; j < 2; j++) {
-            if (accumulate) memcpy(&a[m][j], y + m * ldy + n + 16 * j, 64);
-            else a[m][j] = (v16){0};
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < V; j++) {
+            if (accumulate) a[m][j] = *(const vf *)(y + m * ldy + n + LMQ_VL * j);
+            else a[m][j] = (vf){0};
         }
     for (long k = 0; k < K; k++) {
-        v16 w0, w1;
-        memcpy(&w0, w + k * ldw + n, 64);
-        memcpy(&w1, w + k * ldw + n + 16, 64);
-        if (k + KC < k_left) {  /* the same columns KC rows further: the next chunk's, into L2 */
-            __builtin_prefetch(w + (k + KC) * ldw + n, 0, 2);
-            __builtin_prefetch(w + (k + KC) * ldw + n + 16, 0, 2);
+        vf wv[NV];
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < V; j++) wv[j] = *(const vf *)(w + k * ldw + n + LMQ_VL * j);
+        if (prefetch && k + kc_rows < k_left) {  /* the same columns a chunk further, into L2 */
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < V; j++) __builtin_prefetch(w + (k + kc_rows) * ldw + n + LMQ_VL * j, 0, 2);
         }
+        _Pragma("GCC unroll 8")
         for (int m = 0; m < M; m++) {
-            float xv = x[m * ldx + k];     /* broadcast to the vector's lanes */
-            a[m][0] += xv * w0;            /* contracted to FMA (-ffp-contract=fast) */
-            a[m][1] += xv * w1;
+            const float xv = x[m * ldx + k];    /* broadcast to the vector's lanes */
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < V; j++) a[m][j] += xv * wv[j];   /* FMA (-ffp-contract=fast) */
         }
     }
+    _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++)
-        for (int j = 0; j < 2; j++) memcpy(y + m * ldy + n + 16 * j, &a[m][j], 64);
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < V; j++) *(vf *)(y + m * ldy + n + LMQ_VL * j) = a[m][j];
 }
 
-/* Columns [n0, n1) of up to MR rows, in chunks of KC weight rows (the accumulators go back to y between
- * chunks, so a chunk's KC rows are read as KC sequential streams across the thread's columns). */
-static inline __attribute__((always_inline)) void rows_mr(
+#define PASS(R, V) case R: block(x + m0 * ldx, ldx, w, ldw, y + m0 * ldy, ldy, R, V, kc, k_left, n, acc, \
+                                 m0 == 0, kc_rows); break;
+#if MR == 8
+#define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V) PASS(5, V) PASS(6, V) PASS(7, V) PASS(8, V)
+#elif MR == 6
+#define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V) PASS(5, V) PASS(6, V)
+#elif MR == 4
+#define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V)
+#elif MR == 2
+#define PASSES(V) PASS(1, V) PASS(2, V)
+#else
+#error "LMQ_GEMM_MR must be 2, 4, 6 or 8"
+#endif
+
+/* One register block of columns at n (V vectors wide) for all M rows, passes of MR rows; the first pass
+ * prefetches. */
+static inline __attribute__((always_inline)) void all_rows(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-        const int M, long K, int accumulate, long n0, long n1) {
-    for (long k0 = 0; k0 < K; k0 += KC) {
-        long kc = K - k0 < KC ? K - k0 : KC;
-        for (long n = n0; n < n1; n += NB)
-            block(x + k0, ldx, w + k0 * ldw, ldw, y, ldy, M, kc, K - k0, n, accumulate || k0 > 0);
+        int M, const int V, long kc, long k_left, long n, int acc, long kc_rows) {
+    for (int m0 = 0; m0 < M; m0 += MR) {
+        switch (M - m0 < MR ? M - m0 : MR) { PASSES(V) }
     }
 }
 
-#define CASE(R) case R: rows_mr(x, ldx, w, ldw, y, ldy, R, K, accumulate, n0, n1); break;
-
-static void rows(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-                 int M, long K, int accumulate, long n0, long n1) {
-    for (int m0 = 0; m0 < M; m0 += MR, x += MR * ldx, y += MR * ldy) {
-        switch (M - m0 < MR ? M - m0 : MR) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+/* Columns [n0, n1) (whole register blocks), then [n1, n2) one vector at a time, in chunks of kc_rows weight
+ * rows (the accumulators go back to y between chunks, so a chunk's rows are read as kc_rows sequential
+ * streams across the columns). */
+static void panel(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                  int M, long K, int accumulate, long n0, long n1, long n2, long kc_rows) {
+    for (long k0 = 0; k0 < K; k0 += kc_rows) {
+        const long kc = K - k0 < kc_rows ? K - k0 : kc_rows, k_left = K - k0;
+        const float *wk = w + k0 * ldw, *xk = x + k0;
+        const int acc = accumulate || k0 > 0;
+        for (long n = n0; n < n1; n += NB) all_rows(xk, ldx, wk, ldw, y, ldy, M, NV, kc, k_left, n, acc, kc_rows);
+        for (long n = n1; n < n2; n += LMQ_VL) all_rows(xk, ldx, wk, ldw, y, ldy, M, 1, kc, k_left, n, acc, kc_rows);
     }
 }
 
-/* Leftover columns (N % NB), one scalar chain each, the same arithmetic as a vector lane. */
-static void tail(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-                 int M, long K, int accumulate, long n0, long n1) {
+/* A thread's columns [n0, n1) (whole blocks) and its vector tail up to n2, in panels (see the top). */
+static void columns(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                    int M, long K, int accumulate, long n0, long n1, long n2) {
+    /* weight rows whose stride is a multiple of 4 KB share their L1 sets (and of 64 KB their L2 sets): a
+     * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes */
+    const int aliased = (ldw * (long)sizeof(float)) % 4096 == 0;
+    const long kc_rows = M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
+    const long cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / NB * NB, step = cols > NB ? cols : NB;
+    for (long p = n0; p < n1; p += step) {
+        const long p1 = n1 - p < step ? n1 : p + step;
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows);
+    }
+    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows);
+}
+
+/* Leftover columns (fewer than a vector), one scalar chain each, the same arithmetic as a vector lane. */
+static void scalar_tail(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                        int M, long K, int accumulate, long n0, long n1) {
     for (int m = 0; m < M; m++)
         for (long n = n0; n < n1; n++) {
             float acc = accumulate ? y[m * ldy + n] : 0.0f;
@@ -84,17 +157,26 @@ static void tail(const float *x, long ldx, const float *w, long ldw, float *y, l
         }
 }
 
-/* y (+)= x @ w on `threads` threads, each taking a contiguous range of column blocks. Row strides ldx, ldw,
- * ldy in elements; the last dimension of each is contiguous. */
+/* y (+)= x @ w on `threads` threads, each taking a contiguous range of column blocks (the last thread also
+ * the leftover columns). Row strides ldx, ldw, ldy in elements; the last dimension of each is contiguous. */
 void lmq_small_m_gemm(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
                       int M, long K, long N, int accumulate, int threads) {
-    long blocks = N / NB;
+    const long blocks = N / NB, vec_end = N / LMQ_VL * LMQ_VL;
     if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
+    if (K * N < LMQ_GEMM_SERIAL_BELOW) threads = 1;   /* a small weight: a second thread costs more than it saves */
     #pragma omp parallel num_threads(threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        rows(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB);
-        if (t == nt - 1) tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, blocks * NB, N);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, last = t == nt - 1;
+        columns(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB, last ? vec_end : b1 * NB);
+        if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
     }
+}
+
+/* The blocking this library was built with: {lanes, MR, NV, vector registers} (for tests and benchmarks). */
+void lmq_gemm_shape(int *out) {
+    out[0] = LMQ_VL;
+    out[1] = MR;
+    out[2] = NV;
+    out[3] = LMQ_VREGS;
 }

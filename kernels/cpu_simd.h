@@ -1,7 +1,33 @@
-/* 16-lane float vectors (GCC/Clang vector extensions; -march=native picks AVX-512, AVX2 or what the CPU
- * has) and the two reductions lmq's CPU kernels share. */
+/* Float vectors for lmq's CPU kernels (GCC/Clang vector extensions) and the reductions they share.
+ *
+ *   v16, i16, vselect, hsum, vexp   16 lanes whatever the target (64 bytes: one register with AVX-512,
+ *                                   two with AVX2, four with SSE/NEON; the compiler splits them)
+ *   vf, LMQ_VL, LMQ_VREGS           the target's own vector: LMQ_VL float lanes, one register each, and
+ *                                   how many such registers it has, chosen at compile time from the
+ *                                   target macros (-march): AVX-512F 16 lanes x 32, AVX/AVX2 8 x 16,
+ *                                   AArch64 NEON 4 x 32, anything else (SSE2, ...) 4 x 16.
+ *
+ * A kernel whose register blocking must fit the target (the small-M GEMM) is written over vf; the v16 code
+ * keeps its meaning on every target but spills on one with fewer or narrower registers.
+ */
 #ifndef LMQ_CPU_SIMD_H
 #define LMQ_CPU_SIMD_H
+
+#if defined(__AVX512F__)
+#define LMQ_VL 16
+#define LMQ_VREGS 32
+#elif defined(__AVX__)
+#define LMQ_VL 8
+#define LMQ_VREGS 16
+#elif defined(__aarch64__)
+#define LMQ_VL 4
+#define LMQ_VREGS 32
+#else
+#define LMQ_VL 4
+#define LMQ_VREGS 16
+#endif
+
+typedef float vf __attribute__((vector_size(4 * LMQ_VL), aligned(4)));
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int i16 __attribute__((vector_size(64)));
