@@ -1,47 +1,69 @@
 """lmq's CPU kernels, in C: built once per machine with its C compiler into one library, called through ctypes.
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
-    attention(q, k, v, start, out, scale) -> bool                    one query a row, GQA (cpu_attention.c)
+    attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     rmsnorm(x, w, eps, out), silu_mul(gu, out), rope_append(...) -> bool   the step's small ops (cpu_ops.c)
 
 `small_m_mm`: `x` [M, K] and `out` [M, N] float32 with contiguous rows, `w_t` [K, N] float32 contiguous (a
-Linear weight stored K-major, transposed). `attention`: float32 q [B, Hq, D], k and v [B, Hkv, S, D] (the
-KV pool's views, any strides but the last), out [B, Hq, D]; row b attends to columns [start[b], S). The small
+Linear weight stored K-major, transposed). `attention`: float32 q [B, Hq, D], k and v [slots, Hkv, D] (one layer
+of the paged K/V store, any strides but the last) read through int32 page tables [B, S], out [B, Hq, D];
+row b attends to columns [start[b], S). The small
 ops take float32 rows with a contiguous last dimension (see each). Each returns False, computing nothing,
 when it cannot run (no C compiler, a failed build, not Linux, LMQ_CPU_KERNELS=0, operands it does not take,
-a row count outside its range): the caller then uses torch.
+a row count outside its range) or where torch's counterpart is the faster on this machine: the caller then
+uses torch.
 
-The shared library goes to `<build_dir>/cpu_kernels-<hash>.so`, the hash covering the sources, the flags,
-the compiler's version and the CPU's flags, so a different machine or source builds its own.
+Which of the two runs is decided by measurement (cpu_calibration.py): the first call of an op on a class
+of operands (thread count, row bucket, size classes) times lmq's kernel against torch's on representative
+operands (cpu_benches.py) and keeps the faster; the choice is cached in a JSON file next to the library.
+`LMQ_CPU_KERNELS`: `auto` (the default) calibrated, `1` lmq's kernels wherever they take the operands, `0`
+torch everywhere. `choose(op, shape_class, bench)` applies the same rule to another op; `choices()` lists
+what was chosen.
+
+The library (cpu_build.py) goes to `<build_dir>/cpu_kernels-<key>.so`, the key covering the sources, the
+flags, the target, the compiler's version and the CPU's flags, so a different machine or source builds its
+own. The engine's library is built for the host (-march=native: AVX-512, AVX2+FMA, NEON or generic
+vectors, see cpu_simd.h); `build(march)` builds another target's variant (tests run the AVX2 one on any
+x86-64-v3 host), `use(kernels)` runs the module's functions on it. When the library cannot be built or
+loaded, one line is logged (`build_error()` says why) and torch runs every op.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import hashlib
+import logging
 import os
 import platform
-import shutil
-import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_ops.c")]
-HEADERS = [Path(__file__).with_name("cpu_simd.h")]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
-# The rows the GEMM takes: BLAS's GEMV is as fast at one row (a single weight stream; the kernel is ~1.5 ms
-# slower over SmolLM2-135M's 30 layers), and its blocked GEMM is faster above 8 rows (one pass of the kernel)
-MIN_ROWS, MAX_ROWS = 2, 8
+from . import cpu_benches as _benches
+from .cpu_build import build_library, isa
+from .cpu_calibration import Bench, Calibration
+
+__all__ = ["small_m_mm", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
+           "use", "mode", "choose", "choices", "configure", "isa"]
+
+log = logging.getLogger("lmq_kernels.cpu")
+
+# The rows the GEMM takes (calibration then decides per row bucket whether it or BLAS runs them): one row
+# is BLAS's GEMV, as fast or faster on some hosts; above 16 rows BLAS's blocked GEMM is faster
+MIN_ROWS, MAX_ROWS = 1, 16
 # Attention: at least ATTENTION_MIN_ROWS rows (one row is only Hkv tasks, too few to share between the
 # threads: torch's attention is as fast there), head dims it is built for
 ATTENTION_MIN_ROWS, ATTENTION_HEAD_DIMS = 2, (64, 128, 256)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_tried: set[Path] = set()
+_calibration: Calibration | None = None
+_tried: dict[tuple[Path, str], tuple[ctypes.CDLL | None, str | None, str]] = {}  # (dir, march) -> lib, error, key
 _build_dir: Path | None = None
+_override: ctypes.CDLL | None = None        # use(): the module's functions run this library, uncalibrated
+_local = threading.local()                  # .forced: a calibration is timing lmq's side
 
 
 def configure(build_dir: Path) -> None:
@@ -50,85 +72,145 @@ def configure(build_dir: Path) -> None:
     _build_dir = Path(build_dir)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def mode() -> str:
+    """LMQ_CPU_KERNELS: "0" (torch everywhere), "1" (lmq's kernels wherever they take the operands) or
+    "auto" (the default, and any other value: calibrated)."""
+    value = os.environ.get("LMQ_CPU_KERNELS", "auto")
+    return value if value in ("0", "1") else "auto"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _directory() -> Path:
+    return _build_dir or Path(tempfile.gettempdir()) / "lmq-kernels"
 
 
-def _build(directory: Path) -> Path | None:
-    cc = _compiler()
-    if cc is None:
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version,
-                                    _cpu_flags()]).encode())
-    target = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # build aside, then move: concurrent builds are safe
-        out = Path(tmp) / target.name
-        try:
-            done = subprocess.run([cc, *FLAGS, "-o", str(out), *map(str, SOURCES)], capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if done.returncode != 0 or not out.exists():
-            return None
-        os.replace(out, target)
-    return target
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.lmq_small_m_gemm.argtypes = [ptr, c_long, ptr, c_long, ptr, c_long, c_int, c_long, c_long,
+                                     c_int, c_int]
+    lib.lmq_small_m_gemm.restype = None
+    lib.lmq_attention.argtypes = [ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long, c_long,
+                                  ptr, c_long, ptr, ptr, c_long, c_long,
+                                  c_int, c_int, c_int, c_long, c_int, ctypes.c_float, c_int]
+    lib.lmq_attention.restype = None
+    f32 = ctypes.c_float
+    lib.lmq_rmsnorm.argtypes = [ptr, c_long, ptr, ptr, c_long, c_int, c_int, f32]
+    lib.lmq_silu_mul.argtypes = [ptr, c_long, ptr, c_long, c_int, c_int]
+    lib.lmq_rope_append.argtypes = [ptr, c_long, ptr, ptr, ptr, ptr, ptr, f32, ptr, c_long, c_long,
+                                    ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long,
+                                    c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
+    for f in (lib.lmq_rmsnorm, lib.lmq_silu_mul, lib.lmq_rope_append):
+        f.restype = None
+    lib.lmq_gemm_shape.argtypes = [ptr]
+    lib.lmq_gemm_shape.restype = None
+    return lib
+
+
+def _build_and_open(march: str, directory: Path | None = None) -> tuple[ctypes.CDLL | None, str | None, str]:
+    """(library, error, key) for `march` under `directory`, built at most once a process (a failure is not
+    retried)."""
+    where = (Path(directory) if directory is not None else _directory(), march)
+    with _lock:
+        if where not in _tried:
+            if platform.system() != "Linux":
+                _tried[where] = (None, f"not Linux ({platform.system()})", "")
+            else:
+                built = build_library(where[0], march)
+                lib, error = None, built.error
+                if built.path is not None:
+                    try:
+                        lib = _bind(ctypes.CDLL(str(built.path)))
+                    except (OSError, AttributeError) as e:
+                        error = f"loading {built.path}: {e}"
+                _tried[where] = (lib, error, built.key)
+        return _tried[where]
+
+
+def build(march: str = "native", directory: Path | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `march` ("native", or a compiler target such as "x86-64-v3"), None when the
+    build or the load failed (`build_error(march)` says why). A library built for an instruction set this
+    CPU lacks loads, but its functions must not be called here."""
+    return _build_and_open(march, directory)[0]
+
+
+def build_error(march: str = "native", directory: Path | None = None) -> str | None:
+    """Why the kernels for `march` could not be built or loaded (None: they were)."""
+    return _build_and_open(march, directory)[1]
+
+
+def gemm_shape(kernels: ctypes.CDLL) -> dict[str, int]:
+    """The GEMM's blocking in a built library: vector lanes, rows and vectors per register block, registers."""
+    out = (ctypes.c_int * 4)()
+    kernels.lmq_gemm_shape(out)
+    return dict(zip(("lanes", "rows", "vectors", "registers"), out))
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib
-    if os.environ.get("LMQ_CPU_KERNELS", "1") == "0" or platform.system() != "Linux":
+    global _lib, _calibration
+    if _override is not None:
+        return _override
+    if mode() == "0":
         return None
     if _lib is not None:
         return _lib
-    directory = _build_dir or Path(tempfile.gettempdir()) / "lmq-kernels"
+    directory = _directory()
+    first = (directory, "native") not in _tried
+    lib, error, key = _build_and_open("native")
+    if lib is None:
+        if first:
+            log.warning("lmq: CPU kernels unavailable, torch runs every CPU op: %s", (error or "").splitlines()[0])
+        return None
     with _lock:
-        if _lib is None and directory not in _tried:  # one attempt per directory: a failure is not retried
-            _tried.add(directory)
-            path = _build(directory)
-            try:
-                lib = ctypes.CDLL(str(path)) if path is not None else None
-            except OSError:
-                lib = None
-            if lib is not None:
-                c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-                lib.lmq_small_m_gemm.argtypes = [ptr, c_long, ptr, c_long, ptr, c_long, c_int, c_long, c_long,
-                                                 c_int, c_int]
-                lib.lmq_small_m_gemm.restype = None
-                lib.lmq_attention.argtypes = [ptr, c_long, c_long, ptr, c_long, c_long, c_long,
-                                              ptr, c_long, c_long, c_long, ptr, ptr, c_long, c_long,
-                                              c_int, c_int, c_int, c_long, c_int, ctypes.c_float, c_int]
-                lib.lmq_attention.restype = None
-                f32 = ctypes.c_float
-                lib.lmq_rmsnorm.argtypes = [ptr, c_long, ptr, ptr, c_long, c_int, c_int, f32]
-                lib.lmq_silu_mul.argtypes = [ptr, c_long, ptr, c_long, c_int, c_int]
-                lib.lmq_rope_append.argtypes = [ptr, c_long, ptr, ptr, ptr, ptr, ptr, f32, ptr, c_long, c_long,
-                                                ptr, c_long, c_long, c_long, ptr, c_long, c_long, c_long,
-                                                c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
-                for f in (lib.lmq_rmsnorm, lib.lmq_silu_mul, lib.lmq_rope_append):
-                    f.restype = None
-                _lib = lib
+        if _lib is None:
+            _calibration = Calibration(directory / f"cpu_kernels-{key}.calibration.json", key)
+            _lib = lib
     return _lib
 
 
 def available() -> bool:
     """Whether the kernels are built (or can be built now) on this machine."""
     return _load() is not None
+
+
+@contextlib.contextmanager
+def use(kernels: ctypes.CDLL) -> Iterator[None]:
+    """Within the block, the module's functions run `kernels` (from `build`), wherever they take the
+    operands: no calibration, whatever LMQ_CPU_KERNELS says (tests and benchmarks of a variant)."""
+    global _override
+    before, _override = _override, kernels
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def choose(op: str, shape_class: tuple, bench: Bench) -> bool:
+    """Whether lmq's kernel runs `op` on operands of `shape_class`: always under LMQ_CPU_KERNELS=1 or `use`,
+    else the calibration's choice (measured with `bench` on first sight, see cpu_calibration.py). Only
+    meaningful once the library loaded (`available()`)."""
+    if _override is not None or getattr(_local, "forced", False) or mode() == "1":
+        return True
+    return _calibration is not None and _calibration.choose(op, shape_class, bench)
+
+
+def choices() -> dict[str, dict]:
+    """The calibration's choices on this machine so far ("op/class" -> {"use": "lmq" | "torch", timings})."""
+    return _calibration.choices() if _calibration is not None else {}
+
+
+def _forced(fn):
+    """`fn` with the calibration bypassed: what a calibration times as lmq's side."""
+    def run(*args, **kwargs):
+        _local.forced = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.forced = False
+    return run
+
+
+def _up(n: int) -> int:
+    """The power of two at or above n: the size classes of the calibration."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
@@ -147,35 +229,43 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
             or x.device.type != "cpu" or w_t.shape[0] != k or out.shape != (m, n)
             or x.stride(1) != 1 or w_t.stride(1) != 1 or out.stride(1) != 1):
         return False
+    threads = torch.get_num_threads()
+    if not choose("gemm", (threads, _up(m), _up(k), _up(n)), lambda: _benches.gemm(_forced(small_m_mm), _up(m), k, n)):
+        return False
     if bias is not None:
         out.copy_(bias.expand_as(out))
         accumulate = True
     lib.lmq_small_m_gemm(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(0), out.data_ptr(), out.stride(0),
-                         m, k, n, int(accumulate), torch.get_num_threads())
+                         m, k, n, int(accumulate), threads)
     return True
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, out: torch.Tensor,
-              scale: float) -> bool:
-    """out = grouped-query attention of q [B, Hq, D] (one query a row) over k, v [B, Hkv, S, D], row b over
-    its columns [start[b], S) (`start` int32 [B], clamped to [0, S]: a row without a column gets zeros);
-    out [B, Hq, D]. False (nothing computed) if it cannot run these operands (see the module docstring)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: torch.Tensor,
+              out: torch.Tensor, scale: float) -> bool:
+    """out = grouped-query attention of q [B, Hq, D] (one query a row) over the paged store's k, v [slots,
+    Hkv, D] of one layer, read through the page tables `table` (int32 [B, S], column -> slot, unit column
+    stride): row b over its columns [start[b], S) (`start` int32 [B], clamped to [0, S]: a row without a
+    column gets zeros); out [B, Hq, D]. False (nothing computed) if it cannot run these operands (see the
+    module docstring)."""
     b, hq, d = q.shape
     if b < ATTENTION_MIN_ROWS or d not in ATTENTION_HEAD_DIMS:
         return False
     lib = _load()
     if lib is None:
         return False
-    hkv, s = k.shape[1], k.shape[2]
+    hkv, s = k.shape[1], table.shape[1]
     if (any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 for x in (q, k, v, out))
-            or k.shape != (b, hkv, s, d) or v.shape != k.shape or out.shape != q.shape or hq % hkv
+            or k.dim() != 3 or k.shape[2] != d or v.shape != k.shape or out.shape != q.shape or hq % hkv
+            or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < b or table.stride(1) != 1
             or start.dtype != torch.int32 or start.shape != (b,) or not start.is_contiguous()):
         return False
+    if not choose("attention", (torch.get_num_threads(), _up(b), hq, hkv, d, _up(s)),
+                  lambda: _benches.attention(_forced(attention), _up(b), hq, hkv, d, _up(s))):
+        return False
     lib.lmq_attention(q.data_ptr(), q.stride(0), q.stride(1),
-                      k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                      v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
-                      start.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-                      b, hq, hkv, s, d, float(scale), torch.get_num_threads())
+                      k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0),
+                      table.data_ptr(), table.stride(0), start.data_ptr(), out.data_ptr(), out.stride(0),
+                      out.stride(1), b, hq, hkv, s, d, float(scale), torch.get_num_threads())
     return True
 
 
@@ -189,6 +279,10 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> 
     if lib is None or x.dim() != 2 or out.shape != x.shape or w.shape != x.shape[1:] or not w.is_contiguous() \
             or not _rows_ok(x, w, out):
         return False
+    m, n = x.shape
+    if not choose("rmsnorm", (torch.get_num_threads(), _up(m), _up(n)),
+                  lambda: _benches.rmsnorm(_forced(rmsnorm), _up(m), n)):
+        return False
     lib.lmq_rmsnorm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
                     float(eps))
     return True
@@ -200,18 +294,23 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> bool:
     if lib is None or gu.dim() != 2 or out.dim() != 2 or gu.shape != (out.shape[0], 2 * out.shape[1]) \
             or not _rows_ok(gu, out):
         return False
+    m, i = out.shape
+    if not choose("silu_mul", (torch.get_num_threads(), _up(m), _up(i)),
+                  lambda: _benches.silu_mul(_forced(silu_mul), _up(m), i)):
+        return False
     lib.lmq_silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), out.stride(0), out.shape[0], out.shape[1])
     return True
 
 
 def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, q: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: int, end: int, nrows: int) -> bool:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, tokens: int, end: int,
+                nrows: int) -> bool:
     """The fused step's RoPE + K/V append (the contract of its Triton kernel, `_rope_append_kernel`): qkv
     [N, (Hq + 2 Hkv) D] holds N = rows x `tokens` tokens, row-major; q [N, Hq, D] gets rope(qnorm(q)); token
-    t of row b writes rope(knorm(k)) and v to k_cache/v_cache [slots, Hkv, S, D] at slot b, column
-    end - (tokens - 1) + t, unless its position (int32 [N]) is negative or b >= nrows. cos, sin [N, D/2]:
-    RoPE's angles per token (rotate-half)."""
+    t of row b writes rope(knorm(k)) and v to the store's k_cache/v_cache [slots, Hkv, D] at the slot of
+    column end - (tokens - 1) + t of its page table (`table` int32 [rows, S], unit column stride), unless its
+    position (int32 [N]) is negative or b >= nrows. cos, sin [N, D/2]: RoPE's angles per token (rotate-half)."""
     lib = _load()
     if lib is None:
         return False
@@ -221,15 +320,20 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
     if (qkv.shape != (n, (hq + 2 * hkv) * d) or cos.shape != (n, d // 2) or sin.shape != cos.shape
             or not cos.is_contiguous() or not sin.is_contiguous() or positions.dtype != torch.int32
             or positions.numel() < n or not positions.is_contiguous() or v_cache.shape != k_cache.shape
-            or k_cache.shape[3] != d or (q_norm is None) != (k_norm is None)
+            or k_cache.dim() != 3 or k_cache.shape[2] != d or (q_norm is None) != (k_norm is None)
+            or table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1
             or not all(x.shape == (d,) and x.is_contiguous() for x in norms)
             or q.stride(2) != 1 or not _rows_ok(qkv, cos, sin, q, k_cache, v_cache, *norms)):
+        return False
+    if not choose("rope_append", (torch.get_num_threads(), _up(n), hq, hkv, d, int(bool(norms)), int(tokens > 1)),
+                  lambda: _benches.rope_append(_forced(rope_append), _up(n), hq, hkv, d, bool(norms))):
         return False
     lib.lmq_rope_append(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                         q_norm.data_ptr() if q_norm is not None else None,
                         k_norm.data_ptr() if k_norm is not None else None, float(eps),
                         q.data_ptr(), q.stride(0), q.stride(1),
-                        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
+                        table.data_ptr(), table.stride(0),
                         n, tokens, end, nrows, hq, hkv, d, torch.get_num_threads())
     return True

@@ -1,0 +1,130 @@
+"""What the calibration (cpu_calibration.py) times for each op: lmq's kernel and torch's counterpart (what
+lmq's engine runs when the kernel declines) on the same representative operands.
+
+Each function takes `lmq`, the op's public function with the calibration bypassed (cpu.py passes it), and
+the class's representative sizes, and returns (run_lmq, run_torch), each running its side once. Weights and
+K/V come from a ring of copies larger than the last-level cache (RING_BYTES): in a decode step every layer
+reads its own weights and K/V cold from memory, and an operand that stays in cache would favour the kernel
+that is faster on cached data. Consecutive calls (of either side) take consecutive copies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def _llc_bytes() -> int:
+    """The largest CPU cache's size (/sys), 32 MiB when unknown."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return best or 32 << 20
+
+
+RING_BYTES = min(max(2 * _llc_bytes(), 32 << 20), 256 << 20)
+
+
+def _ring(shape: tuple[int, ...]) -> torch.Tensor:
+    """[copies, *shape] float32 filled (written, so no page is shared), copies x shape >= RING_BYTES."""
+    one = 4 * int(torch.tensor(shape).prod())
+    return torch.full((max(1, -(-RING_BYTES // max(one, 1))), *shape), 0.01)
+
+
+class _Next:
+    """Consecutive indices into a ring, shared by both sides."""
+
+    def __init__(self, n: int):
+        self.n, self.i = n, 0
+
+    def __call__(self) -> int:
+        self.i = (self.i + 1) % self.n
+        return self.i
+
+
+def gemm(lmq, m: int, k: int, n: int):
+    """out = x @ w_t, x [m, k], w_t [k, n] K-major: lmq(x, w_t, out) vs torch.mm."""
+    ring, x, out = _ring((k, n)), torch.randn(m, k), torch.empty(m, n)
+    nxt = _Next(ring.shape[0])
+    return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))
+
+
+def rmsnorm(lmq, m: int, n: int):
+    """The step's RMSNorm of m rows of n (the engine's torch form: fused_decode._rmsnorm_torch)."""
+    x, w, out = torch.randn(m, n), torch.randn(n), torch.empty(m, n)
+
+    def torch_side():
+        out.copy_(w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)))
+
+    return (lambda: lmq(x, w, 1e-5, out), torch_side)
+
+
+def silu_mul(lmq, m: int, i: int):
+    """out = silu(gate) * up of m rows, gu = [gate | up] (the engine's torch form)."""
+    gu, out = torch.randn(m, 2 * i), torch.empty(m, i)
+    return (lambda: lmq(gu, out), lambda: out.copy_(F.silu(gu[:, :i]) * gu[:, i:]))
+
+
+def attention(lmq, b: int, hq: int, hkv: int, d: int, s: int):
+    """One query a row over s columns of a paged K/V store read through page tables (rows from different
+    first columns): lmq(q, k, v, table, start, out, scale) vs the engine's torch form (gather the rows'
+    slots, then grouped SDPA with the rows' masks)."""
+    store = _ring((2, b * s + 1, hkv, d))         # a ring of stores: [copies, K|V, slots, Hkv, D]
+    q, out = torch.randn(b, hq, d), torch.empty(b, hq, d)
+    table = (torch.randperm(b * s, dtype=torch.int32) + 1).view(b, s).contiguous()  # scattered pages
+    start = torch.randint(0, max(1, s // 4), (b,), dtype=torch.int32)
+    start[0] = 0
+    allowed = (torch.arange(s)[None] >= start[:, None])[:, None, None]                   # [b, 1, 1, s]
+    cols = table.long()
+    nxt = _Next(store.shape[0])
+    scale = d ** -0.5
+
+    def lmq_side():
+        kv = store[nxt()]
+        lmq(q, kv[0], kv[1], table, start, out, scale)
+
+    def torch_side():
+        kv = store[nxt()]
+        k, v = kv[0][cols].transpose(1, 2), kv[1][cols].transpose(1, 2)                  # [b, hkv, s, d]
+        o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=allowed, scale=scale)
+        out.copy_(o.reshape(b, hq, d))
+
+    return lmq_side, torch_side
+
+
+def rope_append(lmq, n: int, hq: int, hkv: int, d: int, norms: bool):
+    """RoPE of n one-token rows' q and k (with q/k RMSNorms when `norms`) and the K/V append through the
+    page tables: lmq(...) vs the engine's torch form (norms, rotate-half by roll, scatter into the store)."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    cos, sin = torch.rand(n, d // 2, generator=g), torch.rand(n, d // 2, generator=g)
+    positions = torch.arange(n, dtype=torch.int32)
+    qn, kn = (torch.ones(d), torch.ones(d)) if norms else (None, None)
+    q = torch.empty(n, hq, d)
+    slots = 4 * n + 1
+    kc, vc = torch.zeros(slots, hkv, d), torch.zeros(slots, hkv, d)
+    table = torch.arange(1, slots, dtype=torch.int32).view(n, 4).contiguous()
+    dest = table[:, 3].long()
+
+    def torch_side():
+        qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+        if norms:
+            qk = torch.cat([qk[:, :hq] * torch.rsqrt(qk[:, :hq].pow(2).mean(-1, keepdim=True) + 1e-6) * qn,
+                            qk[:, hq:] * torch.rsqrt(qk[:, hq:].pow(2).mean(-1, keepdim=True) + 1e-6) * kn], 1)
+        c = torch.cat((cos, cos), dim=-1)[:, None]
+        s = torch.cat((-sin, sin), dim=-1)[:, None]
+        roped = qk * c + torch.roll(qk, d // 2, dims=-1) * s
+        q.copy_(roped[:, :hq])
+        kc[dest] = roped[:, hq:]
+        vc[dest] = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+
+    return (lambda: lmq(qkv, cos, sin, positions, qn, kn, 1e-6, q, kc, vc, table, 1, 3, n), torch_side)
