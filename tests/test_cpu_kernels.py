@@ -1,16 +1,84 @@
 """lmq's CPU kernels (`lmq_kernels.cpu`), built with the machine's C compiler: the small-M GEMM and the
 decode attention, each checked against a float64 reference and row-independent bit for bit (a row's result
-does not depend on the batch around it, nor on the thread count)."""
+does not depend on the batch around it, nor on the thread count).
+
+Every kernel test runs on each variant this host can run (`kernels`): the host's own build (-march=native),
+the AVX2+FMA build (x86-64-v3: 8-lane vectors, the blocking for 16 registers) and the portable one (x86-64:
+SSE2, the 4-lane shape NEON also gets), so an AVX-512 CI host tests the AVX2 variant too; the AVX-512 build
+is compiled everywhere. On Linux with a C compiler a build that fails fails the tests (only a host without
+either skips them); the engine's fallback after a failed build is tested at the end."""
 from __future__ import annotations
+
+import logging
+import platform
 
 import pytest
 import torch
 
 from lmq_kernels import cpu
+from lmq_kernels.cpu_build import compiler, cpu_flags
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler / not Linux: the kernels are not built")
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
+                                reason="no C compiler / not Linux: the engine runs torch's ops")
 
 ANY_ROWS = (1, 64)
+X86 = platform.machine() in ("x86_64", "AMD64")
+FLAGS = set(cpu_flags().split())
+AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# the variants this host runs: its own, the AVX2 one where it has AVX2+FMA, the portable SSE2 one (x86),
+# the AVX-512 one where it has AVX-512
+TARGETS = ["native"] + (["x86-64-v3"] if X86 and {"avx2", "fma"} <= FLAGS else []) + (["x86-64"] if X86 else []) \
+    + (["x86-64-v4"] if X86 and AVX512 <= FLAGS else [])
+
+
+@pytest.fixture(params=TARGETS)
+def kernels(request):
+    """The module's functions run on the variant built for `request.param` (uncalibrated: always the C
+    kernel where it takes the operands). A failed build fails the test."""
+    lib = cpu.build(request.param)
+    assert lib is not None, f"the {request.param} build failed: {cpu.build_error(request.param)}"
+    with cpu.use(lib):
+        yield lib
+
+def attend(q, k, v, starts, out, scale):
+    """`cpu.attention` over dense K/V [B, Hkv, S, D] (any strides), seen as one layer of the paged store and
+    page tables (column s of row b is slot b * (stride_b / stride_s) + s, as `kv_pool.paged_view`)."""
+    b, h, s, d = k.shape
+
+    def store(x):
+        sb, sh, ss, sd = x.stride()
+        if sd != 1:  # a layout the kernel declines: keep the last dimension strided
+            return torch.zeros(s, d, h).transpose(1, 2)
+        return x.as_strided(((b - 1) * (sb // ss) + s, h, d), (ss, sh, 1))
+
+    sb, ss = k.stride(0), k.stride(2)
+    table = (torch.arange(b, dtype=torch.int32)[:, None] * (sb // ss) + torch.arange(s, dtype=torch.int32)[None])
+    k_store, v_store = store(k), store(v)
+    return cpu.attention(q, k_store, v_store, table, starts, out, scale)
+
+
+def test_the_kernels_build_and_load():
+    """The engine's own build: on Linux with a compiler, it must work (the engine would silently run torch)."""
+    assert cpu.build() is not None, cpu.build_error()
+    assert cpu.build_error() is None
+
+
+@pytest.mark.skipif(not X86 or AVX512 <= FLAGS, reason="the AVX-512 build runs with the kernel tests here")
+def test_the_avx512_variant_compiles():
+    """The AVX-512 shape (16 lanes, 8 x 2 blocking) compiles on a host that cannot run it."""
+    assert cpu.build("x86-64-v4") is not None, cpu.build_error("x86-64-v4")
+
+
+def test_the_blocking_fits_the_target(kernels, request):
+    """8-lane vectors and 4 x 3 accumulators (12 of 16 registers) for AVX2, 16 lanes and 8 x 2 for AVX-512,
+    4 lanes for the portable build: accumulators, weight vectors and a broadcast fit the registers."""
+    shape = cpu.gemm_shape(kernels)
+    assert shape["rows"] * shape["vectors"] + shape["vectors"] + 1 <= shape["registers"]
+    want = {"x86-64-v3": {"lanes": 8, "rows": 4, "vectors": 3, "registers": 16},
+            "x86-64-v4": {"lanes": 16, "rows": 8, "vectors": 2, "registers": 32},
+            "x86-64": {"lanes": 4, "rows": 4, "vectors": 3, "registers": 16}}
+    want = want.get(request.node.callspec.params["kernels"])
+    assert want is None or shape == want
 
 
 def k_major(n: int, k: int, seed: int) -> torch.Tensor:
@@ -22,7 +90,7 @@ def k_major(n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 960), (5, 100, 70), (8, 1536, 576), (8, 7, 33),
                                    (11, 96, 128), (17, 40, 1000)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_matches_float64_reference(m, k, n, accumulate):
+def test_matches_float64_reference(m, k, n, accumulate, kernels):
     w = k_major(n, k, seed=m + k + n)
     x = torch.randn(m, k)
     out = torch.randn(m, n)
@@ -31,18 +99,18 @@ def test_matches_float64_reference(m, k, n, accumulate):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-def test_bias_starts_the_sums():
+def test_bias_starts_the_sums(kernels):
     w = k_major(70, 48, seed=4)
     x, bias = torch.randn(3, 48), torch.randn(70)
     out = torch.full((3, 70), float("nan"))
     assert cpu.small_m_mm(x, w.t(), out, bias=bias)
     torch.testing.assert_close(out, bias + x @ w.t(), rtol=1e-5, atol=1e-4)
     untouched = torch.zeros(1, 70)
-    assert not cpu.small_m_mm(x[:1], w.t(), untouched, bias=bias)   # declined: out left as it was
+    assert not cpu.small_m_mm(x[:1], w.t(), untouched, bias=bias, rows=(2, 8))   # declined: out as it was
     assert untouched.eq(0).all()
 
 
-def test_strided_rows_of_x_and_out():
+def test_strided_rows_of_x_and_out(kernels):
     w = k_major(96, 64, seed=1)
     big_x, big_out = torch.randn(4, 100), torch.zeros(4, 120)
     x, out = big_x[:, 10:74], big_out[:, 3:99]          # rows with strides 100 and 120
@@ -51,7 +119,7 @@ def test_strided_rows_of_x_and_out():
     assert big_out[:, :3].eq(0).all() and big_out[:, 99:].eq(0).all()   # nothing written outside
 
 
-def test_a_row_gives_the_same_bits_in_any_batch():
+def test_a_row_gives_the_same_bits_in_any_batch(kernels):
     """Each output is one FMA chain over k in order: batch size, batch mates and thread split change nothing."""
     w = k_major(1000, 576, seed=2)                      # 1000 = 31 blocks of 32 columns + a tail of 8
     x = torch.randn(8, 576)
@@ -71,11 +139,11 @@ def test_a_row_gives_the_same_bits_in_any_batch():
     assert torch.equal(one_thread, full)
 
 
-def test_declines_what_it_does_not_compute():
+def test_declines_what_it_does_not_compute(kernels):
     w = k_major(64, 32, seed=3)
     out = torch.zeros(4, 64)
-    assert not cpu.small_m_mm(torch.randn(1, 32), w.t(), out[:1])            # one row: BLAS's GEMV
-    assert not cpu.small_m_mm(torch.randn(9, 32), w.t(), torch.zeros(9, 64))  # > 8 rows: BLAS
+    assert not cpu.small_m_mm(torch.randn(17, 32), w.t(), torch.zeros(17, 64))  # > 16 rows: BLAS
+    assert not cpu.small_m_mm(torch.randn(1, 32), w.t(), out[:1], rows=(2, 8))  # outside the rows asked for
     assert not cpu.small_m_mm(torch.randn(4, 32).double(), w.t().double(), out.double())
     assert not cpu.small_m_mm(torch.randn(4, 32), w.contiguous().t(), out)   # row-major weight
     assert out.eq(0).all()
@@ -112,57 +180,57 @@ def attention_reference(q, k, v, starts, scale):
 
 @pytest.mark.parametrize("B,Hq,Hkv,S,D", [(2, 9, 3, 50, 64), (3, 8, 2, 17, 128), (4, 4, 4, 33, 64),
                                            (2, 16, 2, 70, 256), (5, 6, 1, 1, 64)])
-def test_attention_matches_reference(B, Hq, Hkv, S, D):
+def test_attention_matches_reference(B, Hq, Hkv, S, D, kernels):
     q, k, v, starts = attention_case(B, Hq, Hkv, S, D, seed=B * S + D)
     out = torch.full((B, Hq, D), float("nan"))
-    assert cpu.attention(q, k, v, starts, out, D ** -0.5)
+    assert attend(q, k, v, starts, out, D ** -0.5)
     torch.testing.assert_close(out.double(), attention_reference(q, k, v, starts, D ** -0.5), atol=2e-6, rtol=1e-5)
 
 
-def test_attention_rows_are_independent_bitwise():
+def test_attention_rows_are_independent_bitwise(kernels):
     """A row gets the same bits in any batch and on any number of threads."""
     q, k, v, starts = attention_case(6, 9, 3, 90, 64, seed=3)
     full = torch.empty(6, 9, 64)
-    assert cpu.attention(q, k, v, starts, full, 0.125)
+    assert attend(q, k, v, starts, full, 0.125)
     for rows in (slice(0, 2), slice(2, 5), slice(4, 6)):
         part = torch.empty(rows.stop - rows.start, 9, 64)
-        assert cpu.attention(q[rows], k[rows], v[rows], starts[rows].contiguous(), part, 0.125)
+        assert attend(q[rows], k[rows], v[rows], starts[rows].contiguous(), part, 0.125)
         assert torch.equal(part, full[rows])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one_thread = torch.empty(6, 9, 64)
-        assert cpu.attention(q, k, v, starts, one_thread, 0.125)
+        assert attend(q, k, v, starts, one_thread, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, full)
 
 
-def test_attention_clamps_starts():
+def test_attention_clamps_starts(kernels):
     q, k, v, starts = attention_case(3, 4, 2, 20, 64, seed=4)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
     out = torch.full((3, 4, 64), float("nan"))
-    assert cpu.attention(q, k, v, torch.tensor([-7, 20, 25], dtype=torch.int32), out, 0.125)
+    assert attend(q, k, v, torch.tensor([-7, 20, 25], dtype=torch.int32), out, 0.125)
     want = attention_reference(q[:1], k[:1], v[:1], torch.tensor([0]), 0.125)[0]
     torch.testing.assert_close(out[0].double(), want, atol=2e-6, rtol=1e-5)   # from column 0
     assert torch.equal(out[1:], torch.zeros(2, 4, 64))                       # no column: zeros
 
 
-def test_attention_declines():
+def test_attention_declines(kernels):
     q, k, v, starts = attention_case(3, 4, 2, 20, 64, seed=5)
     out = torch.zeros(3, 4, 64)
-    assert not cpu.attention(q[:1], k[:1], v[:1], starts[:1].contiguous(), out[:1], 0.125)  # one row: torch's
-    assert not cpu.attention(q.double(), k.double(), v.double(), starts, out.double(), 0.125)
-    assert not cpu.attention(q, k, v, starts.long(), out, 0.125)
-    assert not cpu.attention(q[..., :32], k[..., :32], v[..., :32], starts, out[..., :32], 0.125)  # head dim 32
-    assert not cpu.attention(q[:, :3], k, v, starts, out[:, :3], 0.125)                            # 3 % 2 heads
-    assert not cpu.attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, starts, out, 0.125)
+    assert not attend(q[:1], k[:1], v[:1], starts[:1].contiguous(), out[:1], 0.125)  # one row: torch's
+    assert not attend(q.double(), k.double(), v.double(), starts, out.double(), 0.125)
+    assert not attend(q, k, v, starts.long(), out, 0.125)
+    assert not attend(q[..., :32], k[..., :32], v[..., :32], starts, out[..., :32], 0.125)  # head dim 32
+    assert not attend(q[:, :3], k, v, starts, out[:, :3], 0.125)                            # 3 % 2 heads
+    assert not attend(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, starts, out, 0.125)
     assert torch.equal(out, torch.zeros(3, 4, 64))
 
 
 # ------------------------------------------------------------------------------------------------ small ops
 
-def test_rmsnorm_and_silu_mul_match_torch():
+def test_rmsnorm_and_silu_mul_match_torch(kernels):
     from lmq_backend.engine.fused_decode import _rmsnorm_torch
 
     g = torch.Generator().manual_seed(6)
@@ -189,6 +257,42 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
     from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=8) if arch == "llama" else tiny_qwen3(seed=8)
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")      # the C kernels wherever they take the operands
     with_c = prefill_then_steps(model, steps=3, seed=1)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
     assert_same_forwards(with_c, prefill_then_steps(model, steps=3, seed=1))
+
+
+# ------------------------------------------------------------------------------------------------ fallback
+
+@pytest.fixture
+def fresh_module(monkeypatch, tmp_path):
+    """cpu's module state as in a new process, building into tmp_path (restored afterwards)."""
+    for name, value in (("_lib", None), ("_calibration", None), ("_override", None), ("_build_dir", tmp_path)):
+        monkeypatch.setattr(cpu, name, value)
+    monkeypatch.delenv("LMQ_CPU_KERNELS", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("why", ["failed build", "no compiler", "not linux"])
+def test_no_kernels_means_torch_and_one_log_line(why, fresh_module, monkeypatch, caplog):
+    """A failed build, no compiler or another OS: every op declines (torch runs it), `build_error` says why,
+    and one line is logged however many calls follow."""
+    if why == "failed build":
+        monkeypatch.setenv("CC", "false")              # exits 1 without building anything
+    elif why == "no compiler":
+        monkeypatch.setattr("lmq_kernels.cpu_build.compiler", lambda: None)
+    else:
+        monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    w, x, out = k_major(64, 32, seed=5), torch.randn(4, 32), torch.zeros(4, 64)
+    with caplog.at_level(logging.WARNING, logger="lmq_kernels.cpu"):
+        assert not cpu.available()
+        for _ in range(3):
+            assert not cpu.small_m_mm(x, w.t(), out)
+            assert not cpu.rmsnorm(x, torch.ones(32), 1e-5, torch.empty(4, 32))
+    assert out.eq(0).all()
+    error = cpu.build_error(directory=fresh_module)
+    expected = {"failed build": "exited 1", "no compiler": "no C compiler", "not linux": "not Linux"}[why]
+    assert error and expected in error, error
+    lines = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
