@@ -75,3 +75,7 @@ def default_backend():
     from lmq_backend.backend.protocol import get_backend
 
     return get_backend("default")
+
+
+# context-sensitive models (tests/models.py): `zoo.backend(family)`, `zoo.reference(family)`
+from models import zoo  # noqa: E402,F401
