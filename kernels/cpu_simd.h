@@ -36,34 +36,67 @@ static inline v16 vselect(i16 mask, v16 a, v16 b) {   /* mask ? a : b, lane by l
     return (v16)(((i16)a & mask) | ((i16)b & ~mask));
 }
 
-/* The sum of the 16 lanes, always in the same order. */
+/* v16 code is split by the compiler into the target's registers, but GCC does not split every operation:
+ * on AVX2/SSE/NEON a 16-lane comparison or shuffle becomes 16 scalar ones. hsum and vexp therefore work on
+ * the target's own vectors (vf), part by part, with the same operations in the same order on every lane:
+ * the same bits as a 16-lane evaluation. */
+#define LMQ_PARTS (16 / LMQ_VL)
+typedef int vfi __attribute__((vector_size(4 * LMQ_VL)));
+
+/* The sum of the 16 lanes, always in the same order: lane i + lane i+8, then + the lane 4 further, 2
+ * further, 1 further (the sum of lane 0). */
 static inline float hsum(v16 a) {
+#if LMQ_VL == 16
     a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
     a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
     a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
     a += __builtin_shuffle(a, (i16){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
     return a[0];
+#else
+    vf p[LMQ_PARTS];
+    __builtin_memcpy(p, &a, sizeof(a));
+#if LMQ_VL == 8
+    vf s = p[0] + p[1];                                                   /* lanes i and i + 8 */
+    s += __builtin_shuffle(s, (vfi){4, 5, 6, 7, 0, 1, 2, 3});
+    s += __builtin_shuffle(s, (vfi){2, 3, 0, 1, 4, 5, 6, 7});
+    s += __builtin_shuffle(s, (vfi){1, 0, 2, 3, 4, 5, 6, 7});
+#else
+    vf s = (p[0] + p[2]) + (p[1] + p[3]);                                  /* i + 8, then i + 4 */
+    s += __builtin_shuffle(s, (vfi){2, 3, 0, 1});
+    s += __builtin_shuffle(s, (vfi){1, 0, 2, 3});
+#endif
+    return s[0];
+#endif
 }
 
-/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
- * (Cephes' expf: relative error ~2e-7); x < -87 gives 0. */
-static inline v16 vexp(v16 x) {
-    const v16 lo = (v16){0} - 87.0f;
-    x = vselect(x >= lo, x, lo);
-    v16 t = x * 1.44269504088896341f + 0.5f;
-    i16 n = __builtin_convertvector(t, i16);
-    n -= (i16)(__builtin_convertvector(n, v16) > t) & 1;           /* floor */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
+/* exp(x) for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
+ * (Cephes' expf: relative error ~2e-7); x < -87 gives 0. vexp_vf: one native vector; vexp: 16 lanes. */
+static inline vf vexp_vf(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    const vfi keep = x >= lo;
+    x = (vf)(((vfi)x & keep) | ((vfi)lo & ~keep));
+    vf t = x * 1.44269504088896341f + 0.5f;
+    vfi n = __builtin_convertvector(t, vfi);
+    n -= (vfi)(__builtin_convertvector(n, vf) > t) & 1;           /* floor */
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16 scale = (v16)((n + 127) << 23);
-    return (v16)((i16)(p * scale) & (x > lo));
+    vf scale = (vf)((n + 127) << 23);
+    return (vf)((vfi)(p * scale) & (x > lo));
+}
+
+static inline v16 vexp(v16 x) {
+    vf p[LMQ_PARTS];
+    __builtin_memcpy(p, &x, sizeof(x));
+    for (int i = 0; i < LMQ_PARTS; i++) p[i] = vexp_vf(p[i]);
+    __builtin_memcpy(&x, p, sizeof(x));
+    return x;
 }
 
 #endif
