@@ -12,8 +12,8 @@ slower than torch's.
 
 Choices are cached in memory and in a JSON file next to the built library (`path`), keyed by the library's
 own key (sources, flags, compiler, CPU flags: see cpu_build.py) and torch's version. A choice whose
-timings never settled (a busy machine: `stable` false) holds for the process that made it and is measured
-again by the next one. A file that does not
+timings never settled, or made while the load average exceeded the CPU count (a busy machine: `stable`
+false), holds for the process that made it and is measured again by the next one. A file that does not
 parse, has another key or torch version, or holds an entry that is malformed or contradicts its own
 timings is not trusted: it is logged once, ignored, and rewritten by the next measurement. Writes merge
 with what other processes wrote meanwhile and replace the file atomically.
@@ -66,6 +66,15 @@ def measure(run_lmq: Runner, run_torch: Runner) -> tuple[float, float, int, bool
         if spent >= CAP_S or (rounds >= MIN_ROUNDS and spent >= TARGET_S and stable):
             break
     return min(times[0]), min(times[1]), rounds, stable
+
+
+def _load_average() -> float:
+    """The last minute's load average: above the CPU count, other processes kept every CPU busy while the
+    calibration ran (a two-thread kernel then waits for its second thread), so its choice is not kept."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def _entry_ok(entry: object) -> bool:
@@ -150,8 +159,10 @@ class Calibration:
                     self._use[(op, shape_class)] = False
                     return False
                 lmq_us, torch_us = max(round(lmq_s * 1e6, 2), 0.01), max(round(torch_s * 1e6, 2), 0.01)
+                load = _load_average()
                 entry = {"use": "lmq" if lmq_us <= MARGIN * torch_us else "torch", "lmq_us": lmq_us,
-                         "torch_us": torch_us, "rounds": rounds, "stable": stable}
+                         "torch_us": torch_us, "rounds": rounds, "load": round(load, 2),
+                         "stable": stable and load <= (os.cpu_count() or 1)}
                 self._entries[name] = entry
                 self._write()
                 log.info("lmq: calibrated %s: lmq %.1f us, torch %.1f us -> %s", name, entry["lmq_us"],

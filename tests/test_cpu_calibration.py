@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import platform
 import time
 
@@ -19,6 +20,12 @@ from lmq_kernels.cpu_calibration import Calibration
 
 needs_kernels = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
                                    reason="no C compiler / not Linux: the engine runs torch's ops")
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The load average as on an idle machine (this shared one's would mark every choice unsettled)."""
+    monkeypatch.setattr("lmq_kernels.cpu_calibration._load_average", lambda: 0.0)
 
 
 def spin(seconds: float):
@@ -107,6 +114,16 @@ def test_a_choice_made_on_a_busy_machine_is_measured_again(tmp_path):
     cal = Calibration(path, "k")
     assert not cal.choose("op", (1,), bench(0.002, 0.0002, calls)) and calls == [1]
     assert json.loads(path.read_text())["choices"]["op/1"]["stable"] is True
+
+
+def test_a_choice_made_while_others_kept_every_cpu_busy_is_not_kept(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    monkeypatch.setattr("lmq_kernels.cpu_calibration._load_average", lambda: 2.0 * (os.cpu_count() or 1) + 1)
+    calls = []
+    assert Calibration(path, "k").choose("op", (1,), bench(0.0002, 0.002, calls))
+    assert json.loads(path.read_text())["choices"]["op/1"]["stable"] is False
+    monkeypatch.setattr("lmq_kernels.cpu_calibration._load_average", lambda: 0.0)
+    assert Calibration(path, "k").choose("op", (1,), bench(0.0002, 0.002, calls)) and len(calls) == 2
 
 
 def test_writes_merge_with_other_processes(tmp_path):
