@@ -1,0 +1,190 @@
+"""CPU benchmark: lmq's C kernels per instruction set, against torch, and what calibration chose.
+
+1. The host: CPU, ISA the kernels are built for (`cpu.isa()`), the GEMM's blocking, torch, threads, load.
+2. The small-M GEMM on SmolLM2-135M's shapes (K x N: 576x1728, 1536x576, 576x576, 576x192, the lm_head
+   576x49152, plus the fused step's 576x960 and 576x3072) at M rows: lmq's kernel (this tree's build for the
+   host), optionally the kernel of an older commit (`--before REV`: its cpu_gemm.c built the same way), and
+   torch.mm on the same K-major weights. Weights come from a ring of copies larger than the last-level cache
+   (every layer of a decode step reads its own weights cold); the sides alternate call by call; ms, best and
+   median of `--reps` calls.
+3. The calibration's choices for those classes (LMQ_CPU_KERNELS=auto: measured on first use, cached next to
+   the library), and every other choice already in the cache file (the engine's small ops, attention).
+4. With `--decode`: decode steps of the default model (SmolLM2-135M fp32) through the engine, batch 1 and 8
+   concurrent queries (a ~470-token prompt each, 32 new tokens), with LMQ_CPU_KERNELS auto / 1 / 0
+   alternating in one process for `--rounds` rounds; median ms per step (`on_step`), per round.
+
+Run:  python benchmarks/bench_cpu_kernels.py [--before REV] [--rows 1,2,4,8] [--decode [--no-gemm]] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lmq_kernels import cpu, cpu_benches
+from lmq_kernels.cpu_build import FLAGS, compiler
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
+
+
+def host_lines() -> list[str]:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    kernels = cpu.build()
+    shape = cpu.gemm_shape(kernels) if kernels is not None else cpu.build_error()
+    return [f"date {datetime.datetime.now().isoformat(timespec='minutes')}, command: {' '.join(sys.argv)}",
+            f"host {model}, {os.cpu_count()} CPUs, ISA {cpu.isa()} (-march=native), load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+            f"GEMM blocking {shape}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"LMQ_CPU_KERNELS={os.environ.get('LMQ_CPU_KERNELS', 'auto')}"]
+
+
+def old_gemm(rev: str):
+    """lmq_small_m_gemm of commit `rev` (same signature; or of the cpu_gemm.c in the folder `rev`), built like
+    the library (-march=native)."""
+    tmp = Path(tempfile.mkdtemp(prefix="lmq-before-"))
+    for name in ("cpu_gemm.c", "cpu_simd.h"):
+        if Path(rev).is_dir():
+            if (Path(rev) / name).exists():
+                (tmp / name).write_text((Path(rev) / name).read_text())
+            continue
+        done = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode == 0:
+            (tmp / name).write_text(done.stdout)
+    out = tmp / "gemm.so"
+    subprocess.run([compiler(), *FLAGS, "-march=native", "-o", str(out), str(tmp / "cpu_gemm.c")], check=True)
+    f = ctypes.CDLL(str(out)).lmq_small_m_gemm
+    c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    f.argtypes = [ptr, c_long, ptr, c_long, ptr, c_long, c_int, c_long, c_long, c_int, c_int]
+
+    def run(x, w, out_):
+        f(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out_.data_ptr(), out_.stride(0), x.shape[0],
+          x.shape[1], w.shape[1], 0, torch.get_num_threads())
+    return run
+
+
+def bench_gemm(rows: list[int], reps: int, before) -> None:
+    lmq = cpu.build()
+    # one thread: the calling thread's CPU time (steady on a shared machine: time spent descheduled is not
+    # counted, memory stalls are); more: wall time
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    print(f"\nsmall-M GEMM, ms (best / median, {clock.__name__}), weights cold from a ring of",
+          cpu_benches.RING_BYTES >> 20, "MB")
+    print(f"{'K x N':>11} {'M':>3} | {'lmq':>15} | {'before':>15} | {'torch.mm':>15} | torch/lmq  before/lmq")
+    for k, n in SHAPES:
+        ring = cpu_benches._ring((k, n))
+        for m in rows:
+            x, out = torch.randn(m, k), torch.empty(m, n)
+            sides = {"lmq": None, "before": before, "torch": None}
+            times = {s: [] for s, f in sides.items() if s != "before" or f is not None}
+            i = 0
+            count = max(4, reps // 8) if n > 10000 else reps
+            with cpu.use(lmq):
+                for r in range(count + 1):
+                    order = list(times) if r % 2 == 0 else list(reversed(times))
+                    for side in order:
+                        w = ring[i % ring.shape[0]]
+                        i += 1
+                        t0 = clock()
+                        if side == "lmq":
+                            cpu.small_m_mm(x, w, out, rows=(1, 64))
+                        elif side == "before":
+                            before(x, w, out)
+                        else:
+                            torch.mm(x, w, out=out)
+                        if r:  # the first round warms up
+                            times[side].append(clock() - t0)
+            cell = {s: f"{min(t) * 1e3:7.3f}/{statistics.median(t) * 1e3:7.3f}" for s, t in times.items()}
+            best = {s: min(t) for s, t in times.items()}
+            ratio_b = f"{best['before'] / best['lmq']:9.2f}" if "before" in best else ""
+            print(f"{k:>5}x{n:<5} {m:>3} | {cell['lmq']} | {cell.get('before', '-'):>15} | {cell['torch']} | "
+                  f"{best['torch'] / best['lmq']:9.2f} {ratio_b}", flush=True)
+        del ring
+
+
+def calibrate(rows: list[int]) -> None:
+    os.environ.setdefault("LMQ_CPU_KERNELS", "auto")
+    if not cpu.available():
+        print("\nno kernels:", cpu.build_error())
+        return
+    start = time.perf_counter()
+    for k, n in SHAPES:
+        w = torch.randn(k, n)
+        for m in rows:
+            cpu.small_m_mm(torch.randn(m, k), w, torch.empty(m, n))
+    spent = time.perf_counter() - start
+    print(f"\ncalibration choices ({spent:.1f} s for what was not cached yet; file next to the library):")
+    for name, e in cpu.choices().items():
+        print(f"  {name:<34} lmq {e['lmq_us']:>9.1f} us  torch {e['torch_us']:>9.1f} us  -> {e['use']}")
+
+
+def bench_decode(rounds: int) -> None:
+    import lmq_backend as lmq
+    from lmq_backend.backend.default_model import default_model_dir
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from workloads import w1_reviews, w1_shots
+
+    backend = lmq.HFBackend(str(default_model_dir()), name="bench-cpu")
+    shots, reviews = w1_shots(16), w1_reviews(8)
+    q = lmq.Query('"{shots}Review: {review}\\nA reply to this review:[R]" where len(TOKENS(R)) < 33', model=backend)
+    steps: list = []
+    backend.on_step(steps.append)
+
+    async def run(b: int):
+        await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in reviews[:b]))
+
+    print(f"\ndecode steps, SmolLM2-135M fp32, ~{len(backend.tokenizer(shots).input_ids) + 20}-token rows, "
+          "median ms per step (one line per round; modes alternate)")
+    for r in range(rounds):
+        line = []
+        for b in (1, 8):
+            for mode in ("auto", "1", "0"):
+                os.environ["LMQ_CPU_KERNELS"] = mode
+                steps.clear()
+                asyncio.run(run(b))
+                t = [s.seconds for s in steps if s.kind == "decode" and s.batch_size == b]
+                line.append(f"B={b} {mode:>4}: {statistics.median(t) * 1e3:6.1f}" if t else f"B={b} {mode}: -")
+        print("  " + " | ".join(line), flush=True)
+    os.environ["LMQ_CPU_KERNELS"] = "auto"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", help="a commit (or a folder) whose cpu_gemm.c to compare with")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table and its calibration")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    try:  # the engine's build and calibration directory
+        from lmq_backend.paths import cache_dir
+        cpu.configure(cache_dir() / "kernels")
+    except ImportError:  # lmq_backend's dependencies missing: a directory of the kernels' own
+        pass
+    rows = [int(m) for m in args.rows.split(",")]
+    print("\n".join(host_lines()))
+    if not args.no_gemm:
+        bench_gemm(rows, args.reps, old_gemm(args.before) if args.before else None)
+        calibrate(rows)
+    if args.decode:
+        bench_decode(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
