@@ -133,22 +133,6 @@ return items
     assert backend.trie.pinned_nodes() == 0
 
 
-@pytest.mark.parametrize("name,vars_", [
-    ("sentiment.lmq", ["--var", "review=The food was wonderful and the staff were friendly."]),
-    ("packing_list.lmq", ["--var", "n_items:=3"]),
-    ("number.lmq", []),
-    ("date.lmq", []),
-    ("chat.lmq", ["--var", "question=What is the capital of France?"]),
-    ("distribution.lmq", ["--var", "review=Awful. Never again."]),
-    ("chat_multi_turn.lmq", ["--var", 'questions:=["Hi! Who are you?", "What can you do?"]']),
-])
-def test_examples_run_from_the_cli(name, vars_, default_backend):
-    from lmq_backend.cli import main
-
-    assert (EXAMPLES / name).exists()
-    assert main(["run", str(EXAMPLES / name), *vars_, "--json"]) == 0
-
-
 def test_cli_reads_stdin_and_reports_errors():
     query = '"Say:[X]" where len(TOKENS(X)) < 3\n'
     out = subprocess.run([sys.executable, "-m", "lmq_backend.cli", "run", "-", "--json"], input=query,
