@@ -52,7 +52,8 @@ def cmd_run(args) -> int:
     query = lmq.Query(_read_source(args.file), name=args.file if args.file != "-" else "stdin",
                       model=args.model)
     result = query.run_sync(**_parse_vars(args.var))
-    results = result if isinstance(result, list) else [result]
+    # a list is n results only for n > 1: a query may also return a list (one result, printed as itself)
+    results = result if query.decoder.n > 1 else [result]
     if args.json:
         print(json.dumps([r.__dict__ if isinstance(r, lmq.Result) else _jsonable(r) for r in results],
                          indent=2, default=repr))
