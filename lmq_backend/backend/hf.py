@@ -72,7 +72,7 @@ class HFBackend(Backend):
     model and tokenizer you already hold."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
-                 cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 64,
+                 cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 256,
                  kv_budget: int | str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,12 +92,12 @@ class HFBackend(Backend):
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
-                   max_batch: int = 64, kv_budget: int | str | None = None) -> "HFBackend":
+                   max_batch: int = 256, kv_budget: int | str | None = None) -> "HFBackend":
         backend = cls.__new__(cls)
         backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
         return backend
 
-    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 64, kv_budget=None) -> None:
+    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch)

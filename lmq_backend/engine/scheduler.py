@@ -12,7 +12,7 @@ task runs the steps:
 
 Rows join and leave between steps. A prefill that waits behind another one sharing a long uncached
 prefix is held back a round, so the shared part is computed once and then found in the trie. Prefills are
-admitted while the K/V store has slots for their new tokens and room for the running rows to grow
+admitted while the decode batch has seats (`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows to grow
 (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
 out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
 does not fit waits for running rows to leave.
@@ -78,6 +78,8 @@ class Scheduler:
     runner: ModelRunner
     store: KVStore
     max_prefill_tokens: int = 16384
+    # columns a prefill's attention reads (cached + new tokens of every row): the forward gathers them
+    max_prefill_read: int = 131072
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[_Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
@@ -171,36 +173,53 @@ class Scheduler:
             if self.waiting or len(self.decodes) < len(self.rows):
                 await asyncio.sleep(0)  # let every query that is ready submit before the step
                 self._compact()
+            ran = False
             try:
-                if self.waiting:
-                    self._prefill_step()
-                elif self.rows and len(self.decodes) == len(self.rows):
+                # prefills first (rows join the batch as early as they can); a prefill that cannot be
+                # admitted now (no seat, no slots) waits, and the running rows decode meanwhile
+                ran = bool(self.waiting) and self._prefill_step()
+                if not ran and self.rows and len(self.decodes) == len(self.rows):
                     self._decode_step()
+                    ran = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
                 self._fail_all(e)
-            if self.waiting or (self.rows and len(self.decodes) == len(self.rows)):
+                ran = True
+            if ran and (self.waiting or (self.rows and len(self.decodes) == len(self.rows))):
                 self._wake.set()
 
     def _select(self) -> list[_Waiting]:
         """Cache-aware choice of the prefills to run now: longest cached prefix first; a request whose
         new tokens begin with a long prefix that a chosen one will compute waits for the trie instead."""
-        ready = [w for w in self.waiting if not w.future.done()]
+        seats = self.runner.max_batch - sum(r.live for r in self.rows)  # rows the decode batch may still take
+        if seats <= 0:
+            return []
+        # the first arrivals, enough to fill the seats twice over, compete (a trie lookup each)
+        ready = [w for w in self.waiting if not w.future.done()][: 2 * seats]
         for w in ready:
             w.row = w.request.prepare()
         ready.sort(key=lambda w: -w.row.cached)
         chosen: list[_Waiting] = []
-        tokens = 0
+        tokens = read = 0
+        starts: dict[tuple[int, int], list[_Waiting]] = {}
         room = self.store.available() - DECODE_RESERVE * len(self.rows)
         for w in ready:
-            shares = any(self._shares_new_prefix(w, c) for c in chosen)
-            if shares or (chosen and tokens + len(w.row.ids) > self.max_prefill_tokens):
+            if len(chosen) >= seats:
+                break
+            # a chosen request whose new tokens start the same way (the same first new token at the same
+            # cached length: a dict lookup, then the exact check against those few)
+            key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
+            shares = any(self._shares_new_prefix(w, c) for c in starts.get(key, ()))
+            if shares or (chosen and (tokens + len(w.row.ids) > self.max_prefill_tokens
+                                      or read + w.row.cached + len(w.row.ids) > self.max_prefill_read)):
                 continue
             need = len(w.row.ids) + AHEAD + DECODE_RESERVE
             if need > room and (chosen or self.rows):  # wait for rows to leave (alone, it is tried anyway)
                 continue
             chosen.append(w)
+            starts.setdefault(key, []).append(w)
             room -= need
             tokens += len(w.row.ids)
+            read += w.row.cached + len(w.row.ids)
         return chosen
 
     @staticmethod
@@ -210,13 +229,16 @@ class Scheduler:
         ids, other = w.request.ids, chosen.request.ids
         cached = max(w.row.cached, chosen.row.cached)
         k = min(cached + SHARED_PREFIX_MIN, len(ids) - 1, len(other))
-        return k > cached and ids[:k] == other[:k]
+        # the new part first: a few tokens, where requests sharing a long cached prefix differ
+        return k > cached and ids[cached:k] == other[cached:k] and ids[:cached] == other[:cached]
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self) -> bool:
+        """Run the prefills `_select` admits now; False if it admits none."""
         chosen = self._select()
         chosen_set = set(map(id, chosen))
         self.waiting = [w for w in self.waiting if id(w) not in chosen_set and not w.future.done()]
         self._prefill(chosen)
+        return bool(chosen)
 
     def _prefill(self, batch: list[_Waiting]) -> None:
         if not batch:
