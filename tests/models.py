@@ -4,8 +4,10 @@ The models have random weights shaped so that the greedy continuation depends on
 - token embeddings small next to what attention writes into the residual stream, so the next token is not
   a bigram lookup of the current one (the conftest models are: they keep their greedy token in most cases
   when a context token is dropped);
-- q/k projections (and Qwen3's q/k norm gains) large, so attention is sharp and every score depends on the
-  RoPE'd relative position: a wrong K column or a position id off by one changes what a query attends to.
+- half the query heads sharp (large q/k projections): every score depends on the RoPE'd relative position,
+  so a wrong K column or a position id off by one changes what a query attends to; the other half soft:
+  they weigh every column, so a column too many or too few shows (Qwen3, whose q/k norms fix the scale of q
+  and k, gets a soft first layer and a sharp second one through the norms' gains).
 Llama-family models have hidden 256, 4 query heads over 2 kv heads (GQA), head_dim 64 (lmq's C attention
 kernel takes 64/128/256), 2 layers. No training: building one takes a fraction of a second. Their measured
 sensitivity is a test (tests/test_fault_injection.py).
@@ -34,8 +36,11 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")  # the fused decode step serves these
 VOCAB = 49152  # the default model's tokenizer
 
-# std of the weights (see the module docstring); 1/16 = 1/sqrt(hidden)
-EMBED_STD, QK_STD, VO_STD, MLP_STD, QK_NORM_GAIN, QKV_BIAS_STD = 0.02, 4 / 16, 1 / 16, 1 / 16, 3.0, 0.5
+# std of the weights (see the module docstring); 1/16 = 1/sqrt(hidden). The first half of the query heads
+# are sharp (QK_STD), the others soft (SOFT_QK_STD: they weigh many columns, so an extra or a missing one
+# shows); Qwen3's q/k norms fix the scale of q and k, so there the norm gains set it per layer.
+EMBED_STD, QK_STD, SOFT_QK_STD, VO_STD, MLP_STD, QKV_BIAS_STD = 0.02, 4 / 16, 0.25 / 16, 1 / 16, 1 / 16, 0.5
+QK_NORM_GAINS = (1.0, 3.0)  # per layer: soft, then sharp
 
 
 def _config(family: str):
@@ -60,7 +65,7 @@ def _config(family: str):
 def _shape_weights(model) -> None:
     for name, p in model.named_parameters():
         if name.endswith(("q_norm.weight", "k_norm.weight")):
-            p.fill_(QK_NORM_GAIN)
+            p.fill_(QK_NORM_GAINS[int(name.split("layers.")[1].split(".")[0])])
         elif p.dim() == 1 and any(s in name for s in ("q_proj", "k_proj", "v_proj")):
             p.normal_(0, QKV_BIAS_STD)
         elif p.dim() < 2:
@@ -73,6 +78,11 @@ def _shape_weights(model) -> None:
             p.normal_(0, EMBED_STD)
         elif "mlp" in name:
             p.normal_(0, MLP_STD)
+        if name.endswith("q_proj.weight"):  # [Hq D, hidden]: the second half of the heads soft
+            p[p.shape[0] // 2:] *= SOFT_QK_STD / QK_STD
+        elif name.endswith("attn.c_attn.weight"):  # GPT-2's Conv1D [hidden, 3 hidden]: q is the first third
+            hidden = p.shape[0]
+            p[:, hidden // 2: hidden] *= SOFT_QK_STD / QK_STD
     if hasattr(model, "tie_weights"):
         model.tie_weights()
 

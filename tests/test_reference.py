@@ -23,15 +23,20 @@ from models import (FAMILIES, LLAMA_FAMILY, SCRIPT, Script, differences, expecte
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_greedy_tokens_and_distribution_equal_the_reference(zoo, monkeypatch, family, cache_budget, batched):
     """Seven calls of a query with two free holes and a final `distribution`, sharing a few-shot prefix (one
-    call repeated): the token ids lmq ran on equal the reference's, the distribution within 1e-4."""
+    call repeated): the token ids lmq ran on equal the reference's, the distribution within 1e-4. Alone the
+    CPU kernels are the calibration's choice (LMQ_CPU_KERNELS=auto); batched they are forced on, and a
+    Llama-family decode step must have run lmq's C attention over several rows."""
     from lmq_kernels import cpu
 
+    kernel_rows: list[int] = []
+    if batched:
+        monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
+        attention = cpu.attention
+        monkeypatch.setattr(cpu, "attention",
+                            lambda q, *a, **k: attention(q, *a, **k) and not kernel_rows.append(len(q)))
     backend = zoo.backend(family, cache_budget)
     steps = []
     backend.on_step(steps.append)
-    kernel_rows = []
-    attention = cpu.attention
-    monkeypatch.setattr(cpu, "attention", lambda q, *a, **k: attention(q, *a, **k) and not kernel_rows.append(len(q)))
     got = await run_engine(backend, SCRIPT, standard_calls(), batched=batched, seed=1)
     assert differences(got, expected(zoo, family)) == []
     # the configuration ran as named
@@ -39,14 +44,18 @@ async def test_greedy_tokens_and_distribution_equal_the_reference(zoo, monkeypat
     decode_rows = max(s.batch_size for s in steps if s.kind == "decode")
     assert decode_rows > 1 if batched else decode_rows == 1
     if batched and family in LLAMA_FAMILY and cpu.available():
-        assert max(kernel_rows) > 1, "the C attention kernel never ran inside a decode step"
+        assert max(kernel_rows, default=0) > 1, "lmq's C attention never ran inside a decode step"
 
 
+@pytest.mark.parametrize("path", ["unfused", "fused-torch-ops"])
 @pytest.mark.parametrize("family", LLAMA_FAMILY)
-async def test_unfused_decode_equals_the_reference(zoo, family):
-    """Decode steps through the model's own forward (`runner.fused = False`) instead of the fused step."""
-    backend = zoo.backend(family, "64MB", fused=False)
-    assert not backend.runner.fused
+async def test_other_decode_paths_equal_the_reference(zoo, monkeypatch, family, path):
+    """Batched decode steps through the model's own forward (`runner.fused = False`), or through the fused
+    step with torch's ops instead of lmq's C kernels (LMQ_CPU_KERNELS=0)."""
+    if path == "fused-torch-ops":
+        monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
+    backend = zoo.backend(family, "64MB", fused=path == "fused-torch-ops")
+    assert backend.runner.fused == (path == "fused-torch-ops")
     got = await run_engine(backend, SCRIPT, standard_calls(), batched=True, seed=2)
     assert differences(got, expected(zoo, family)) == []
 
