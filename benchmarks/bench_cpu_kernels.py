@@ -10,8 +10,10 @@
 3. The calibration's choices for those classes (LMQ_CPU_KERNELS=auto: measured on first use, cached next to
    the library), and every other choice already in the cache file (the engine's small ops, attention).
 4. With `--decode`: decode steps of the default model (SmolLM2-135M fp32) through the engine, batch 1 and 8
-   concurrent queries (a ~470-token prompt each, 32 new tokens), with LMQ_CPU_KERNELS auto / 1 / 0
-   alternating in one process for `--rounds` rounds; median ms per step (`on_step`), per round.
+   concurrent queries (a ~450-token prompt each, 32 new tokens), with LMQ_CPU_KERNELS auto / 1 / 0 and,
+   with `--before`, "before" (the older GEMM in this tree's library, every C kernel on, the GEMM at 2-8
+   rows: the engine before calibration) alternating in one process for `--rounds` rounds; median ms per
+   step (`on_step`), per round.
 
 Run:  python benchmarks/bench_cpu_kernels.py [--before REV] [--rows 1,2,4,8] [--decode [--no-gemm]] [--threads 2]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import datetime
 import os
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 from lmq_kernels import cpu, cpu_benches
-from lmq_kernels.cpu_build import FLAGS, compiler
+from lmq_kernels.cpu_build import FLAGS, HEADERS, SOURCES, build_library, compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
@@ -73,6 +76,45 @@ def old_gemm(rev: str):
         f(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out_.data_ptr(), out_.stride(0), x.shape[0],
           x.shape[1], w.shape[1], 0, torch.get_num_threads())
     return run
+
+
+def old_library(rev: str):
+    """The whole library with commit `rev`'s cpu_gemm.c (or the folder `rev`'s) and this tree's other
+    sources, None if it does not build."""
+    tmp = Path(tempfile.mkdtemp(prefix="lmq-before-lib-"))
+    for f in SOURCES + HEADERS:
+        (tmp / f.name).write_text(f.read_text())
+    if Path(rev).is_dir():
+        (tmp / "cpu_gemm.c").write_text((Path(rev) / "cpu_gemm.c").read_text())
+    else:
+        (tmp / "cpu_gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu_gemm.c"], cwd=ROOT,
+                                                       capture_output=True, text=True, check=True).stdout)
+    built = build_library(tmp / "out", sources=tmp)
+    if built.path is None:
+        print("the older library did not build:", built.error)
+        return None
+    lib = ctypes.CDLL(str(built.path))
+    for name in ("lmq_small_m_gemm", "lmq_attention", "lmq_rmsnorm", "lmq_silu_mul", "lmq_rope_append"):
+        getattr(lib, name).argtypes = getattr(cpu.build(), name).argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+@contextlib.contextmanager
+def old_behaviour(lib):
+    """The engine as it was before calibration: `lib`'s kernels everywhere they took the operands, the GEMM
+    at 2-8 rows only (BLAS at one row and above 8)."""
+    real = cpu.small_m_mm
+
+    def small_m_mm(x, *args, **kwargs):
+        return 2 <= x.shape[0] <= 8 and real(x, *args, **kwargs)
+
+    cpu.small_m_mm = small_m_mm
+    try:
+        with cpu.use(lib):
+            yield
+    finally:
+        cpu.small_m_mm = real
 
 
 def bench_gemm(rows: list[int], reps: int, before) -> None:
@@ -130,7 +172,7 @@ def calibrate(rows: list[int]) -> None:
         print(f"  {name:<34} lmq {e['lmq_us']:>9.1f} us  torch {e['torch_us']:>9.1f} us  -> {e['use']}")
 
 
-def bench_decode(rounds: int) -> None:
+def bench_decode(rounds: int, before_lib=None) -> None:
     import lmq_backend as lmq
     from lmq_backend.backend.default_model import default_model_dir
 
@@ -151,12 +193,13 @@ def bench_decode(rounds: int) -> None:
     for r in range(rounds):
         line = []
         for b in (1, 8):
-            for mode in ("auto", "1", "0"):
-                os.environ["LMQ_CPU_KERNELS"] = mode
+            for mode in ("auto", "1", "0") + (("before",) if before_lib is not None else ()):
+                os.environ["LMQ_CPU_KERNELS"] = "1" if mode == "before" else mode
                 steps.clear()
-                asyncio.run(run(b))
+                with old_behaviour(before_lib) if mode == "before" else contextlib.nullcontext():
+                    asyncio.run(run(b))
                 t = [s.seconds for s in steps if s.kind == "decode" and s.batch_size == b]
-                line.append(f"B={b} {mode:>4}: {statistics.median(t) * 1e3:6.1f}" if t else f"B={b} {mode}: -")
+                line.append(f"B={b} {mode:>6}: {statistics.median(t) * 1e3:6.1f}" if t else f"B={b} {mode}: -")
         print("  " + " | ".join(line), flush=True)
     os.environ["LMQ_CPU_KERNELS"] = "auto"
 
@@ -183,7 +226,7 @@ def main():
         bench_gemm(rows, args.reps, old_gemm(args.before) if args.before else None)
         calibrate(rows)
     if args.decode:
-        bench_decode(args.rounds)
+        bench_decode(args.rounds, old_library(args.before) if args.before else None)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,13 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def build_library(directory: Path, march: str = "native", defines: tuple[str, ...] = ()) -> Built:
+def build_library(directory: Path, march: str = "native", defines: tuple[str, ...] = (),
+                  sources: Path | None = None) -> Built:
     """Build (or find already built) the library for `march` under `directory`; `defines` are extra -D
-    flags (measurements of other blockings)."""
+    flags (measurements of other blockings), `sources` another folder holding the same files (a
+    benchmark's older kernel)."""
+    src = Path(sources) if sources is not None else HERE
+    files, headers = [src / f.name for f in SOURCES], [src / h.name for h in HEADERS]
     cc = compiler()
     if cc is None:
         return Built(None, "", "no C compiler (set CC, or install gcc)")
@@ -87,7 +91,7 @@ def build_library(directory: Path, march: str = "native", defines: tuple[str, ..
         return Built(None, "", f"{cc} --version failed: {e}")
     flags = [*FLAGS, *target_flags(march), *(f"-D{d}" for d in defines)]
     try:
-        texts = [s.read_text() for s in SOURCES + HEADERS]
+        texts = [s.read_text() for s in files + headers]
     except OSError as e:
         return Built(None, "", f"cannot read the kernels' sources: {e}")
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, cpu_flags()]).encode()).hexdigest()[:16]
@@ -98,7 +102,7 @@ def build_library(directory: Path, march: str = "native", defines: tuple[str, ..
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then move into place
             out = Path(tmp) / target.name
-            cmd = [cc, *flags, "-I", str(HERE), "-o", str(out), *map(str, SOURCES)]
+            cmd = [cc, *flags, "-I", str(src), "-o", str(out), *map(str, files)]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
             except subprocess.TimeoutExpired:
