@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -302,3 +303,44 @@ def test_read_inputs_reports_each_bad_line(tmp_path):
     assert [line for line, _ in rows] == [1, 3, 4]
     assert rows[0][1] == {"a": 1}
     assert rows[1][1].line == 3 and "'b'" in str(rows[1][1]) and str(rows[2][1]).endswith("line 4: not valid JSON (Expecting value at column 1)")
+
+
+# ----- `lmq profile -` and --log-steps ---------------------------------------------------------------------
+
+STEP_LINE = r"^\[lmq\] (prefill|decode) batch=(\d+) #new-token=(\d+) #cached-token=(\d+) \d+\.\d ms$"
+
+
+def test_cli_profile_reads_the_query_from_stdin(tiny_cli, monkeypatch, capsys):
+    backend, query, inputs = tiny_cli
+    data = inputs(review("good"), review("bad"), review("good"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(open(query).read()))
+    assert main(["profile", "-", "--inputs", data, "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["stats"]["per_template"]) == ["stdin"] and doc["calls_ok"] == 3
+    assert doc["stats"]["per_template"]["stdin"]["calls"] == 3 == backend.stats().calls
+    assert doc["stats"]["tokens_reused"] > 0  # the query ran on "tiny-test", as its `from` says
+
+
+def test_cli_log_steps_lines_add_up_to_the_counters(tiny_cli, tmp_path, capsys):
+    backend, _, inputs = tiny_cli
+    query = tmp_path / "qa.lmq"
+    query.write_text('"' + SHOTS.replace("\n", "\\n") + 'Q: {review}\\nA:[X]" where len(TOKENS(X)) < 4\n'
+                     'from "tiny-test"\n')
+    data = inputs(review("good"), review("bad"), review("so-so"), review("good"))
+    assert main(["profile", str(query), "--inputs", data, "--json", "--no-progress", "--log-steps",
+                 "--concurrency", "2"]) == 0
+    captured = capsys.readouterr()
+    s = backend.stats()
+    steps = [(kind, int(b), int(n), int(c)) for kind, b, n, c in re.findall(STEP_LINE, captured.err, flags=re.M)]
+    assert len(steps) == len(captured.err.strip().splitlines())  # nothing else on stderr
+    prefill = [x for x in steps if x[0] == "prefill"]
+    decode = [x for x in steps if x[0] == "decode"]
+    assert sum(b for _, b, _, _ in prefill) == s.lookups == 4  # a row per lookup
+    assert sum(n for _, _, n, _ in prefill) == s.tokens_prefilled
+    assert sum(c for _, _, _, c in prefill) == s.tokens_reused > 0
+    assert decode and sum(n for _, _, n, _ in decode) == s.tokens_decoded > 0
+    assert all(n == b for _, b, n, _ in decode)  # a decode step feeds one token a row
+    # the log stops with the run
+    after = lmq.compile('"More[X]" where len(TOKENS(X)) < 3', model=backend)
+    after.run_sync()
+    assert "[lmq]" not in capsys.readouterr().err
