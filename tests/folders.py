@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 
-def save_tiny_folder(path: Path, seed: int = 0) -> Path:
+def save_tiny_folder(path: Path, seed: int = 1) -> Path:
     from transformers import AutoTokenizer
 
     from lmq_backend.backend.default_model import default_model_dir
@@ -22,5 +22,6 @@ def save_tiny_folder(path: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> Path:
-    """A saved tiny Llama folder (session-wide: tests must not change it)."""
+    """A saved tiny Llama folder (session-wide: tests must not change it). Seed 1: its greedy choice among
+    " positive", " negative", " neutral" changes with the review (seed 0 answers " positive" to all)."""
     return save_tiny_folder(tmp_path_factory.mktemp("tiny-model"))

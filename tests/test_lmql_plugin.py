@@ -40,31 +40,46 @@ def model(backend):
     return lmq_lmql.model("lmql-test", tokenizer=str(default_model_dir()), async_transport=True)
 
 
-async def test_choice_int_stops_at(model):
-    q = lmql.query('''
+BOS = "<|im_start|>"  # LMQL starts every prompt with the tokenizer's BOS token; lmq's queries do not
+
+
+def lmq_query(body: str, **kwargs):
+    """lmq's own engine (the default backend, not the plugin's) on the token ids LMQL gives the model: the
+    same prompt, after the BOS token LMQL puts first."""
+    return lmq_backend.compile(body.replace('"', '"' + BOS, 1), model="default", **kwargs)
+
+
+CHOICE_INT_STOP = '''
 "Review: {review}\\nSentiment:[CLS]" where CLS in [" positive", " negative", " neutral"]
 "\\nStars (1-5):[N]" where INT(N) and len(TOKENS(N)) < 3
 "\\nSummary:[WHY]" where STOPS_AT(WHY, ".") and len(TOKENS(WHY)) < 16
-return CLS, N, WHY
-''', model=model)
-    cls, n, why = await q(review="Great food and friendly staff.")
-    assert cls in OPTIONS
-    assert re.fullmatch(r" ?-?\d+", str(n))
-    assert why.endswith(".") or "." not in why
+'''
 
 
-async def test_loop_of_holes(model):
-    q = lmql.query('''
+@pytest.mark.parametrize("review", ["Great food and friendly staff.", "Terrible. Never again!"])
+async def test_choice_int_stops_at(model, default_backend, review):
+    q = lmql.query(CHOICE_INT_STOP + "return CLS, N, WHY", model=model)
+    cls, n, why = await q(review=review)
+    mine = await lmq_query(CHOICE_INT_STOP)(review=review)
+    # the answers lmq's engine gives on the same ids (LMQL turns an INT value into an int)
+    assert (cls, n) == (mine["CLS"], int(mine["N"]))
+    assert cls == {"Great food and friendly staff.": " positive", "Terrible. Never again!": " negative"}[review]
+    assert why.endswith(".") or "." not in why  # (the later prompt is tokenized differently by LMQL)
+
+
+async def test_loop_of_holes(model, default_backend):
+    body = '''
 "A shopping list:\\n"
 items = []
 for i in range(3):
     "-[ITEM]" where STOPS_AT(ITEM, "\\n") and len(TOKENS(ITEM)) < 8
     items.append(ITEM)
 return items
-''', model=model)
-    items = await q()
+'''
+    items = await lmql.query(body, model=model)()
     assert len(items) == 3
     assert all("\n" not in i[:-1] for i in items)
+    assert items == await lmq_query(body)()
 
 
 async def test_distribution_matches_reference(model, backend):
@@ -90,13 +105,15 @@ distribution CLS in ''' + repr(options), model=model)
     assert result.variables["CLS"] == options[int(np.argmax(ref))]
 
 
-async def test_gather_and_prefix_reuse(model, backend):
+async def test_gather_and_prefix_reuse(model, backend, default_backend):
     shots = W.w1_shots(12)
     q = lmql.query('"{shots}Review: {review}\\nSentiment:[CLS]" where CLS in ' + repr(OPTIONS) + "\nreturn CLS",
                    model=model)
     reviews = W.w1_reviews(4)
     one_by_one = [await q(shots=shots, review=r) for r in reviews]
-    assert all(a in OPTIONS for a in one_by_one)
+    mine = lmq_query('"{shots}Review: {review}\\nSentiment:[CLS]" where CLS in ' + repr(OPTIONS))
+    assert one_by_one == [(await mine(shots=shots, review=r))["CLS"] for r in reviews]
+    assert len(set(one_by_one)) >= 2  # (not one answer for every review)
     assert await asyncio.gather(*(q(shots=shots, review=r) for r in reviews)) == one_by_one
 
     # a second call of the compiled query prefills only its new review: the shots come from the trie
@@ -133,9 +150,133 @@ def test_generate_contract(backend):
     assert scored.shape == ids.shape and (scored[:, -1] < 0).all()
 
 
-async def test_subprocess_mode():
-    """LMQL's default `local:` mode runs the model in a subprocess, which inherits the registration."""
-    folder = str(default_model_dir())
-    q = lmql.query('"Review: Great food and friendly staff.\\nSentiment:[CLS]" where CLS in '
-                   + repr(OPTIONS) + "\nreturn CLS", model=lmql.model(f"local:lmq:{folder}", tokenizer=folder))
-    assert await q() in OPTIONS
+# ----- the README's claims: automatic tokenizer, model folders, arguments, mask_chunk, the LMTP server ----
+
+from folders import tiny_folder  # noqa: E402,F401 - a fixture
+
+GENERATE = ('"Review: {review}\\nSentiment:[X]" where len(TOKENS(X)) < 6\n'
+            '"\\nScore:[N]" where N in [" 1", " 2", " 3", " 4", " 5"]\nreturn X, N')
+
+
+async def answers(model, reviews) -> list:
+    q = lmql.query(GENERATE, model=model)
+    return [await q(review=r) for r in reviews]
+
+
+async def expected_answers(folder, reviews) -> list:
+    """What LMQL's own transformers backend answers on the folder (in-process): the same LMQL, the same
+    weights, no lmq; a random model's greedy text changes with the review, so a wrong context shows."""
+    got = await answers(lmql.model(f"local:{folder}", tokenizer=str(folder), async_transport=True), reviews)
+    assert len({x for x, _ in got}) == len(reviews)
+    return got
+
+
+REVIEWS = ["Great food and friendly staff.", "Terrible. Never again!", "It was fine.", "Cold soup.", "Lovely!"]
+
+
+async def test_model_finds_the_tokenizer(backend, tiny_folder):  # noqa: F811
+    """lmq_lmql.model(SPEC) passes LMQL the tokenizer folder of SPEC's backend, for a registered name, an
+    `hf:` folder and a bare folder; the folder's model then answers as LMQL's own backend does."""
+    assert lmq_lmql.model("lmql-test").configuration["tokenizer"] == str(default_model_dir())
+    assert lmq_lmql.model("default").configuration["tokenizer"] == str(default_model_dir())
+    for spec in (f"hf:{tiny_folder}", str(tiny_folder)):
+        m = lmq_lmql.model(spec, async_transport=True)
+        assert m.configuration["tokenizer"] == str(tiny_folder)
+    assert await answers(m, REVIEWS) == await expected_answers(tiny_folder, REVIEWS)
+
+
+def test_model_arguments_reach_the_backend(tiny_folder, monkeypatch):  # noqa: F811
+    m = lmq_lmql.LMQModel(f"lmq:hf:{tiny_folder}", device="cpu", dtype="float64", cache_budget=0, batch_size=4)
+    assert m.max_batch_size == 4
+    assert {p.dtype for p in m.backend.model.parameters()} == {torch.float64}
+    tok = m.backend.vocab.tokenizer
+    ids = np.array([tok("The capital of France is").input_ids])
+    cached = lmq_lmql.LMQModel(f"lmq:hf:{tiny_folder}", device="cpu", dtype="float64")
+    for model in (m, cached):
+        for _ in range(2):
+            model.generate(ids, np.ones_like(ids), 0.0, 2, None, None)
+    assert m.backend.stats().tokens_reused == 0 < m.backend.stats().tokens_requested  # cache_budget=0
+    assert cached.backend.stats().tokens_reused > 0  # (the same calls with the cache on reuse the prompt)
+    # LMQL's own spellings: torch_dtype= (its rename of dtype=) and device_map="auto" (its cuda=True)
+    seen = []
+
+    class Recorder:
+        def __init__(self, path, **kwargs):
+            seen.append((path, kwargs))
+            self.vocab = m.backend.vocab
+
+    monkeypatch.setattr("lmq_backend.backend.hf.HFBackend", Recorder)
+    monkeypatch.setattr(lmq_lmql, "_backends", {})
+    with pytest.warns(UserWarning, match="ignoring LMQL model arguments.*'unknown'"):
+        lmq_lmql.LMQModel("lmq:/some/dir", torch_dtype="bfloat16", device_map="auto", unknown=1)
+    assert seen == [("/some/dir", {"dtype": "bfloat16", "device": "cuda"})]
+
+
+def test_mask_chunk(backend):
+    """Under an allow-list (every row's bias allows a few tokens), lmq returns one token per call; with
+    mask_chunk=16 up to 16, as LMQL's own backends do; the first token is the same."""
+    tok = backend.vocab.tokenizer
+    ids = np.array([tok("Count: 1, 2, 3, 4, 5,").input_ids])
+    digits = {tok.convert_tokens_to_ids(d): 100.0 for d in "0123456789"} | {tok.convert_tokens_to_ids("Ġ"): 100.0}
+
+    def new_tokens(m) -> list[int]:
+        out = m.generate(ids, np.ones_like(ids), 0.0, 8, [digits], None)
+        return out.sequences[0, ids.shape[1]:].tolist()
+
+    one = new_tokens(lmq_lmql.LMQModel("lmq:lmql-test"))
+    many = new_tokens(lmq_lmql.LMQModel("lmq:lmql-test", mask_chunk=16))
+    assert len(one) == 1 and len(many) == 8 and many[0] == one[0]
+    assert set(many) <= set(digits)
+
+
+async def test_mask_chunk_gives_the_same_answers(backend):
+    q1 = lmql.query(CHOICE_INT_STOP + "return CLS, N", model=lmq_lmql.model("lmql-test", async_transport=True))
+    q16 = lmql.query(CHOICE_INT_STOP + "return CLS, N",
+                     model=lmq_lmql.model("lmql-test", async_transport=True, mask_chunk=16))
+    for review in REVIEWS[:2]:
+        assert await q1(review=review) == await q16(review=review)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+async def test_lmtp_server(tiny_folder):  # noqa: F811
+    """`python -m lmq_backend.lmql_plugin lmq:hf:<dir> --port P` serves LMQL clients over LMTP."""
+    import socket
+    import subprocess
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lmq_backend.lmql_plugin", f"lmq:hf:{tiny_folder}",
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):  # wait for it to listen (a hang guard: it takes seconds)
+            assert server.poll() is None, server.stdout.read()
+            try:
+                socket.create_connection(("localhost", port), timeout=1).close()
+                break
+            except OSError:
+                await asyncio.sleep(0.2)
+        m = lmql.model(f"lmq:hf:{tiny_folder}", endpoint=f"localhost:{port}", tokenizer=str(tiny_folder))
+        assert await answers(m, REVIEWS[:3]) == await expected_answers(tiny_folder, REVIEWS[:3])
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+@pytest.mark.xfail(strict=True, reason="SPEC section 7: the model string alone should switch an LMQL script to "
+                                       "lmq; without importing lmq_backend.lmql_plugin LMQL finds no tokenizer")
+def test_the_model_string_alone_is_enough(tmp_path):
+    import subprocess
+
+    script = tmp_path / "alone.py"
+    script.write_text("import asyncio, lmql\n"
+                      "q = lmql.query('\"Say:[X]\" where len(TOKENS(X)) < 3\\nreturn X', "
+                      "model=lmql.model('local:lmq:default', async_transport=True))\n"
+                      "print(repr(asyncio.run(q())))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
