@@ -167,9 +167,16 @@ def calibrate(rows: list[int]) -> None:
         for m in rows:
             cpu.small_m_mm(torch.randn(m, k), w, torch.empty(m, n))
     spent = time.perf_counter() - start
-    print(f"\ncalibration choices ({spent:.1f} s for what was not cached yet; file next to the library):")
-    for name, e in cpu.choices().items():
-        print(f"  {name:<34} lmq {e['lmq_us']:>9.1f} us  torch {e['torch_us']:>9.1f} us  -> {e['use']}")
+    print(f"\ncalibration choices of the GEMM ({spent:.1f} s for what was not cached yet):")
+    print_choices()
+
+
+def print_choices() -> None:
+    """The choices this process used ("op/threads/row bucket/size classes"; unsettled: measured on a busy
+    machine, measured again by the next process)."""
+    for name, e in cpu.choices(used=True).items():
+        note = "" if e.get("stable", True) else f"  (unsettled, load {e.get('load')})"
+        print(f"  {name:<30} lmq {e['lmq_us']:>9.1f} us  torch {e['torch_us']:>9.1f} us  -> {e['use']}{note}")
 
 
 def bench_decode(rounds: int, before_lib=None) -> None:
@@ -202,6 +209,8 @@ def bench_decode(rounds: int, before_lib=None) -> None:
                 line.append(f"B={b} {mode:>6}: {statistics.median(t) * 1e3:6.1f}" if t else f"B={b} {mode}: -")
         print("  " + " | ".join(line), flush=True)
     os.environ["LMQ_CPU_KERNELS"] = "auto"
+    print("calibration choices used (GEMM and the step's other ops):")
+    print_choices()
 
 
 def main():

@@ -46,7 +46,7 @@ from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
 __all__ = ["small_m_mm", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
-           "use", "mode", "choose", "choices", "configure", "isa"]
+           "use", "mode", "choose", "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 
@@ -192,9 +192,10 @@ def choose(op: str, shape_class: tuple, bench: Bench) -> bool:
     return _calibration is not None and _calibration.choose(op, shape_class, bench)
 
 
-def choices() -> dict[str, dict]:
-    """The calibration's choices on this machine so far ("op/class" -> {"use": "lmq" | "torch", timings})."""
-    return _calibration.choices() if _calibration is not None else {}
+def choices(used: bool = False) -> dict[str, dict]:
+    """The calibration's choices on this machine ("op/class" -> {"use": "lmq" | "torch", timings}); `used`:
+    only those this process asked for."""
+    return _calibration.choices(used) if _calibration is not None else {}
 
 
 def _forced(fn):

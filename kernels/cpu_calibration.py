@@ -96,6 +96,7 @@ class Calibration:
         self._lock = threading.Lock()
         self._use: dict[tuple, bool] = {}          # (op, shape_class) -> lmq chosen
         self._entries: dict[str, dict] = {}        # the file's form: "op/a/b/c" -> entry
+        self._used: set[str] = set()               # the names this process asked for
         for name, entry in self._read(complain=True).items():
             self._entries[name] = entry
 
@@ -150,6 +151,7 @@ class Calibration:
             if hit is not None:
                 return hit
             name = "/".join([op, *map(str, shape_class)])
+            self._used.add(name)
             entry = self._entries.get(name)
             if entry is None or not entry.get("stable", True):  # a choice made on a busy machine: once more
                 try:
@@ -170,7 +172,9 @@ class Calibration:
             self._use[(op, shape_class)] = entry["use"] == "lmq"
             return entry["use"] == "lmq"
 
-    def choices(self) -> dict[str, dict]:
-        """Every choice made or loaded so far: "op/class..." -> {"use", "lmq_us", "torch_us", ...}."""
+    def choices(self, used: bool = False) -> dict[str, dict]:
+        """Every choice made or loaded so far (`used`: those this process asked for): "op/class..." ->
+        {"use", "lmq_us", "torch_us", ...}."""
         with self._lock:
-            return {name: dict(entry) for name, entry in sorted(self._entries.items())}
+            return {name: dict(entry) for name, entry in sorted(self._entries.items())
+                    if not used or name in self._used}
