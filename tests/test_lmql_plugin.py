@@ -182,7 +182,7 @@ async def test_model_finds_the_tokenizer(backend, tiny_folder):  # noqa: F811
     for spec in (f"hf:{tiny_folder}", str(tiny_folder)):
         m = lmq_lmql.model(spec, async_transport=True)
         assert m.configuration["tokenizer"] == str(tiny_folder)
-    assert await answers(m, REVIEWS) == await expected_answers(tiny_folder, REVIEWS)
+    assert await answers(m, REVIEWS[:3]) == await expected_answers(tiny_folder, REVIEWS[:3])
 
 
 def test_model_arguments_reach_the_backend(tiny_folder, monkeypatch):  # noqa: F811
@@ -230,11 +230,10 @@ def test_mask_chunk(backend):
 
 
 async def test_mask_chunk_gives_the_same_answers(backend):
-    q1 = lmql.query(CHOICE_INT_STOP + "return CLS, N", model=lmq_lmql.model("lmql-test", async_transport=True))
-    q16 = lmql.query(CHOICE_INT_STOP + "return CLS, N",
-                     model=lmq_lmql.model("lmql-test", async_transport=True, mask_chunk=16))
-    for review in REVIEWS[:2]:
-        assert await q1(review=review) == await q16(review=review)
+    body = "\n".join(CHOICE_INT_STOP.strip().splitlines()[:2]) + "\nreturn CLS, N"  # the masked holes
+    q1 = lmql.query(body, model=lmq_lmql.model("lmql-test", async_transport=True))
+    q16 = lmql.query(body, model=lmq_lmql.model("lmql-test", async_transport=True, mask_chunk=16))
+    assert await q1(review=REVIEWS[1]) == await q16(review=REVIEWS[1]) == (" negative", 1)
 
 
 def free_port() -> int:
@@ -262,7 +261,7 @@ async def test_lmtp_server(tiny_folder):  # noqa: F811
             except OSError:
                 await asyncio.sleep(0.2)
         m = lmql.model(f"lmq:hf:{tiny_folder}", endpoint=f"localhost:{port}", tokenizer=str(tiny_folder))
-        assert await answers(m, REVIEWS[:3]) == await expected_answers(tiny_folder, REVIEWS[:3])
+        assert await answers(m, REVIEWS[3:]) == await expected_answers(tiny_folder, REVIEWS[3:])
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -213,7 +213,7 @@ def reference_pairs(backend, reference_model, prompt: str, temperature: float, t
     return np.array(out)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(2.5, 1.0), (1.0, 0.7), (0.5, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [(2.5, 1.0), (0.5, 0.9)])
 async def test_sample_query_draws_from_the_model_distribution(peaked_models, temperature, top_p):
     """sample(n=300, ...) over a two-token choice: the values' frequencies are the model's distribution
     (first digit at the prompt, second after it), tempered and cut to the nucleus at each step."""
