@@ -9,6 +9,7 @@ keeps (0 turns it off: every prefill computes the whole prompt, the exact refere
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -47,8 +48,6 @@ def default_kv_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     try:
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
         return 4 * 2**30
@@ -102,9 +101,7 @@ class HFBackend(Backend):
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch)
         kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget)
-        layers, heads, head_dim = self.runner.kv_shape
-        per_token = 2 * layers * heads * head_dim * torch.empty(0, dtype=self.runner.dtype).element_size()
-        self.store = self.runner.new_store(max(kv_bytes // per_token, 2))
+        self.store = self.runner.new_store(kv_bytes)
         self.trie = PrefixTrie(parse_bytes(cache_budget), self.store.bytes_per_token, self.store)
         self.store.reclaim = lambda n: self.trie.evict(n * self.store.bytes_per_token)
         self.store.evictable = lambda: self.trie.evictable_bytes() // self.store.bytes_per_token

@@ -38,6 +38,11 @@ FREE, ROW, TRIE, RESERVED = 0, 1, 2, 3
 ZERO_SLOT = 0
 
 
+def token_bytes(layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot: a token's K and V over every layer and kv head."""
+    return 2 * layers * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 class OutOfSlots(Exception):
     """The store cannot give that many slots now (even after evicting every unpinned trie leaf)."""
 
@@ -57,7 +62,7 @@ class KVStore:
         # pages stay uncommitted)
         self._free = np.arange(capacity - 1, 0, -1, dtype=np.int32)
         self._n_free = capacity - 1
-        self.bytes_per_token = 2 * layers * heads * head_dim * self.data.element_size()
+        self.bytes_per_token = token_bytes(layers, heads, head_dim, dtype)
         # called with a slot count when the free list runs short: frees unpinned trie slots
         self.reclaim: Callable[[int], object] | None = None
         # how many slots evicting every unpinned trie node would free
@@ -129,10 +134,6 @@ class KVStore:
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The K/V of `slots` (int, any shape S...) as [L, 2, S..., H_kv, D] (a copy)."""
         return self.data[:, :, slots.to(self.device, torch.long)]
-
-    def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """data[:, :, slots] = kv ([L, 2, n, H_kv, D])."""
-        self.data[:, :, slots.to(self.device, torch.long)] = kv
 
     # ----- invariants -----------------------------------------------------------------------------------
 

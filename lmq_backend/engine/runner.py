@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-import numpy as np
-
-from ..cache.kv_store import KVStore
+from ..cache.kv_store import KVStore, token_bytes
 from . import compat
 from .attention import model_attention
 from .kv_pool import KVPool
@@ -59,9 +58,10 @@ class ModelRunner:
         self.picks = None     # the last decode step's greedy picks on the device (`DevicePicks`), or None
         compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
 
-    def new_store(self, capacity: int) -> KVStore:
-        """The K/V store of `capacity` token slots (see `cache/kv_store.py`)."""
-        return KVStore(*self.kv_shape, dtype=self.dtype, device=self.device, capacity=capacity)
+    def new_store(self, budget_bytes: int) -> KVStore:
+        """The K/V store (see `cache/kv_store.py`) with as many token slots as `budget_bytes` holds."""
+        slots = max(budget_bytes // token_bytes(*self.kv_shape, self.dtype), 2)
+        return KVStore(*self.kv_shape, dtype=self.dtype, device=self.device, capacity=slots)
 
     def new_pool(self, store: KVStore) -> KVPool:
         if self.fused and self.device.type == "cuda":  # static: CUDA graphs capture the table's address
@@ -118,20 +118,15 @@ class ModelRunner:
         Row i's cached prefix takes columns [end - n_i - m_i, end - m_i) of its page table (the trie's slots)
         and its m_i new tokens [end - m_i, end) (slots of its own): every row ends at the pool's common
         `end`, so the batch is realigned by construction, through the tables, with no K/V copied. Returns
-        (last-position logits [B, V] float32, the rows' slots); raises `OutOfSlots` with the rows removed
-        again when the store cannot hold their new tokens."""
+        (last-position logits [B, V] float32, the rows' slots); raises `OutOfSlots` when the store cannot
+        hold their new tokens (the caller removes the rows it added, as after any failed prefill)."""
         assert all(r.ids for r in rows), "a prefill row needs at least one new token"
         lengths = [r.cached + len(r.ids) for r in rows]
         width, longest = max(len(r.ids) for r in rows), max(lengths)
         pool.make_room(pool.rows + len(rows), longest, extra=2)
         slots = pool.add_rows(lengths)
-        try:
-            for slot, row in zip(slots, rows):
-                pool.set_row(slot, row.slots, len(row.ids))
-        except Exception:
-            for slot in reversed(slots):
-                pool.remove_row(slot)
-            raise
+        for slot, row in zip(slots, rows):
+            pool.set_row(slot, row.slots, len(row.ids))
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
             # The fused step costs a fraction of the model's forward (Llama-1B on an H200: ~1 ms instead

@@ -190,7 +190,7 @@ class Scheduler:
     def _select(self) -> list[_Waiting]:
         """Cache-aware choice of the prefills to run now: longest cached prefix first; a request whose
         new tokens begin with a long prefix that a chosen one will compute waits for the trie instead."""
-        seats = self.runner.max_batch - sum(r.live for r in self.rows)  # rows the decode batch may still take
+        seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         if seats <= 0:
             return []
         # the first arrivals, enough to fill the seats twice over, compete (a trie lookup each)
@@ -246,9 +246,11 @@ class Scheduler:
         started = time.perf_counter()
         try:
             logits, slots = self.runner.prefill(self.pool, [w.row for w in batch])
-        except (torch.OutOfMemoryError, OutOfSlots) as e:
-            while self.pool.rows > len(self.rows):
+        except BaseException as e:
+            while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
                 self.pool.remove_row(self.pool.rows - 1)
+            if not isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
+                raise
             if len(batch) == 1:
                 if self.rows:  # running rows will leave and free their slots: wait for them
                     self.waiting.append(_Waiting(batch[0].request, batch[0].future))
