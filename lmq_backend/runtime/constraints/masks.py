@@ -35,12 +35,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     LMQCompileError, LMQConstraintConflictError, LMQError, LMQNotSupportedError, LMQRuntimeError,
     LMQUnknownConstraintError,
 )
-from ..language import ast
-from .vocab import VocabIndex
+from ...language import ast
+from ..vocab import VocabIndex
 
 __all__ = [
     "NOT_LITERAL", "Stop", "HoleConstraint", "HoleState", "constraint_for_hole", "check_constraint",
