@@ -96,12 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     from .profile import add_arguments
 
     add_arguments(profile)
+    profile.add_argument("--cluster", metavar="N|NAME", default=None,
+                         help="run on a Ray cluster (pip install 'lmq-backend[ray]'): N starts N replicas of the model "
+                              "here, NAME uses the served endpoint of that name; prints the replicas' statistics "
+                              "summed, then per replica")
     profile.set_defaults(func=cmd_profile)
     return parser
 
 
 def cmd_profile(args) -> int:
-    from .profile import run_cli
+    if getattr(args, "cluster", None):
+        from .distributed.profile import run_cli
+    else:
+        from .profile import run_cli
 
     return run_cli(args, _read_source)
 
