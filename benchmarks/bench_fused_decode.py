@@ -29,12 +29,12 @@ ROOT = os.path.dirname(HERE)
 
 
 def _import_engine():
-    """compat and fused_decode; without running lmq_backend/__init__.py if its dependencies (lark, ...)
+    """compat and fused (the fused step); without running lmq_backend/__init__.py if its dependencies (lark, ...)
     are missing on this machine."""
     try:
-        from lmq_backend.engine import compat, fused_decode
+        from lmq_backend.engine import compat, fused
 
-        return compat, fused_decode
+        return compat, fused
     except ImportError:
         for name in [m for m in sys.modules if m == "lmq_backend" or m.startswith("lmq_backend.")]:
             del sys.modules[name]
@@ -52,11 +52,11 @@ def _import_engine():
             pkg.__path__ = [os.path.join(ROOT, path)]
             sys.modules[name] = pkg
         return importlib.import_module("lmq_backend.engine.compat"), importlib.import_module(
-            "lmq_backend.engine.fused_decode")
+            "lmq_backend.engine.fused")
 
 
-compat, fused_decode = _import_engine()
-FusedDecoder = fused_decode.FusedDecoder
+compat, fused = _import_engine()
+FusedDecoder = fused.FusedDecoder
 
 SHAPES = {
     "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -97,7 +97,7 @@ def inject_fault(monkeypatch, backend, fault: str, at: int = 0) -> list[int]:
 
     monkeypatch.setattr(runner, "_forward", shifted_forward)
     if fault == "decode_position" and runner.fused:
-        from lmq_backend.engine.fused_decode import FusedDecoder
+        from lmq_backend.engine.fused import FusedDecoder
 
         set_rope = FusedDecoder._set_rope
         monkeypatch.setattr(FusedDecoder, "_set_rope",

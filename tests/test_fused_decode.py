@@ -1,4 +1,4 @@
-"""The fused decode step (`lmq_backend.engine.fused_decode`) against the Hugging Face forward.
+"""The fused decode step (`lmq_backend.engine.fused`) against the Hugging Face forward.
 
 CPU (float32, eager, torch fallbacks + the reference attention): tiny random Llama / Qwen2 / Qwen3 models,
 a left-padded batch of rows of different lengths prefilled by HF into a static pool, several steps in a
@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from lmq_backend.engine import compat
 from lmq_backend.engine.kv_pool import paged_view
-from lmq_backend.engine.fused_decode import FusedDecoder, bucket_for, supports
+from lmq_backend.engine.fused import FusedDecoder, bucket_for, supports
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -325,7 +325,7 @@ def test_cuda_graphs_match_eager_bitwise():
 def test_cpu_layout_keeps_the_model_savable(tmp_path):
     """On the CPU the fused step re-lays the model's Linear weights out K-major (views of shared buffers);
     the model must still compute the same, save with `save_pretrained` and load back equal."""
-    from lmq_backend.engine.fused_decode import decoder_weights
+    from lmq_backend.engine.fused import decoder_weights
 
     model = tiny_llama(seed=5)
     before = {k: v.clone() for k, v in model.state_dict().items()}

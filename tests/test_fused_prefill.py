@@ -21,7 +21,7 @@ from test_fused_decode import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2
 import lmq_backend as lmq
 from lmq_backend.engine import compat
 from lmq_backend.engine.kv_pool import paged_view
-from lmq_backend.engine.fused_decode import FusedDecoder
+from lmq_backend.engine.fused import FusedDecoder
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

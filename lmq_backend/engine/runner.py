@@ -231,7 +231,7 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def _fused_module():
-    from . import fused_decode  # imports triton
+    from . import fused as fused_decode  # imports triton
 
     return fused_decode
 

@@ -59,8 +59,8 @@ import triton.language as tl
 
 from lmq_kernels import cpu, decode_attention
 
-from ..paths import cache_dir
-from .attention import grouped_attention, model_attention
+from ...paths import cache_dir
+from ..attention import grouped_attention, model_attention
 
 __all__ = ["supports", "FusedDecoder", "DevicePicks", "bucket_for", "decoder_weights"]
 
