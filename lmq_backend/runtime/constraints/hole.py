@@ -1,0 +1,122 @@
+"""`HoleState`: one generation of a hole, driven by the backend token by token.
+
+What the backend calls, per token of the value (`HFBackend.generate`):
+
+    state = hole_constraint.start()           # a fresh state; a HoleConstraint is reusable
+    loop:
+        mask = state.allowed()                # bool[vocab.size]: the tokens that validly extend the value;
+                                              # None: every non-special token. Special tokens and EOS are
+                                              # never in a mask: ending is what can_end() says.
+        end_ok = state.can_end()              # the value satisfies the constraint now (the hole may end)
+        stop = state.advance(token)           # append a token from allowed(); a `Stop` when a stop rule
+                                              # (STOPS_AT, STOPS_BEFORE, len(TOKENS(X)) < n) fired
+    value = stop.text if stop else state.text
+
+- allowed() returns an array the caller may modify; after a stop, or once the token limit is reached, it is
+  all False. It is computed once per token (advance() invalidates it).
+- advance() of a special or out-of-range token, or after a stop, raises LMQRuntimeError.
+- Values are bytes inside (`value_bytes`); `text` decodes them with errors="replace". `tokens`,
+  `n_tokens`: the appended ids.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...errors import LMQRuntimeError
+from ..vocab import VocabIndex
+from .nodes import _Ctx, _FreeNode, _Node
+from .stops import Stop, _StopString
+
+
+class HoleConstraint:
+    """The compiled constraint of one hole; `start()` gives a fresh `HoleState` (cheap, reusable)."""
+
+    def __init__(self, node: _Node, vocab: VocabIndex, stops: list[_StopString], max_tokens: int | None):
+        self.node, self.vocab, self.stops, self.max_tokens = node, vocab, stops, max_tokens
+        self.unconstrained = isinstance(node, _FreeNode) and not stops and max_tokens is None
+
+    def start(self) -> "HoleState":
+        return HoleState(self)
+
+
+class HoleState:
+    """One generation of a hole: see the module docstring for what the backend calls per token."""
+
+    def __init__(self, hc: HoleConstraint):
+        self.hc = hc
+        self.ctx = _Ctx()
+        self.root = hc.node.state(self.ctx)
+        self._allowed: Any = False  # False: not computed yet
+        self._stopped: Stop | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ctx.tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.ctx.tokens)
+
+    @property
+    def value_bytes(self) -> bytes:
+        return bytes(self.ctx.value)
+
+    @property
+    def text(self) -> str:
+        return self.ctx.value.decode("utf-8", errors="replace")
+
+    def allowed(self) -> np.ndarray | None:
+        if self._allowed is False:
+            if self._stopped is not None or (self.hc.max_tokens is not None and self.n_tokens >= self.hc.max_tokens):
+                mask = np.zeros(self.hc.vocab.size, dtype=bool)
+            else:
+                mask = self.root.allowed()
+                if mask is not None and not mask.flags.writeable:
+                    mask = mask.copy()
+            self._allowed = mask
+        mask = self._allowed
+        return None if mask is None else mask.copy()
+
+    def can_end(self) -> bool:
+        return self.root.can_end()
+
+    def advance(self, token_id: int) -> Stop | None:
+        if self._stopped is not None:
+            raise LMQRuntimeError("advance() after the hole stopped")
+        token_id = int(token_id)
+        vocab = self.hc.vocab
+        if not 0 <= token_id < vocab.size or vocab.special[token_id]:
+            raise LMQRuntimeError(f"token {token_id} cannot be part of a value (special or out of range)")
+        ctx = self.ctx
+        old_len = len(ctx.value)
+        ctx.value += vocab.token_bytes[token_id]
+        ctx.ends.append(len(ctx.value))
+        ctx.tokens.append(token_id)
+        self._allowed = False
+        self.root.advance(token_id, old_len)
+        end: int | None = None
+        for rule in self.hc.stops:
+            e = rule.end(ctx.value, old_len)
+            if e is not None and (end is None or e < end):
+                end = e
+        if end is None and self.hc.max_tokens is not None and self.n_tokens >= self.hc.max_tokens:
+            end = len(ctx.value)
+        if end is None:
+            return None
+        self._stopped = self._make_stop(end)
+        return self._stopped
+
+    def _make_stop(self, end: int) -> Stop:
+        value = self.ctx.value
+        keep = 0
+        for i, e in enumerate(self.ctx.ends):
+            if e > end:
+                break
+            # a kept token must end on a character boundary, so that the tail is a whole string
+            if e == len(value) or e == end or value[e] & 0xC0 != 0x80:
+                keep = i + 1
+        start = self.ctx.ends[keep - 1] if keep else 0
+        return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep,
+                    tail=bytes(value[start:end]).decode("utf-8", errors="replace"))
