@@ -1,25 +1,37 @@
-"""lmq: LMQL-style constrained generation on local Hugging Face models, with a prefix trie of KV caches."""
-from .backend.protocol import Backend, Sequence, get_backend, register_backend
-from .cache.stats import CacheStats, TemplateStats
-from .errors import (
-    LMQBackendError, LMQCompileError, LMQConstraintConflictError, LMQError, LMQInputError, LMQLengthError,
-    LMQNotSupportedError, LMQRuntimeError, LMQSyntaxError, LMQUnknownConstraintError, LMQUnknownVariableError,
-)
-from .runtime.interpreter import Result
-from .runtime.query import Query, compile, query
+"""lmq: LMQL-style constrained generation on local Hugging Face models, with a prefix trie of KV caches.
+
+Names are imported on first use (PEP 562): `import lmq_backend` loads no torch, transformers or lark, so
+that it stays cheap for the CLI, the LMQL plugin and the `lmq-lmql.pth` hook (`lmql_hook.py`).
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+_WHERE = {
+    "lmq_backend.backend.protocol": ("Backend", "Sequence", "get_backend", "register_backend"),
+    "lmq_backend.backend.hf": ("HFBackend",),
+    "lmq_backend.cache.stats": ("CacheStats", "TemplateStats"),
+    "lmq_backend.errors": (
+        "LMQBackendError", "LMQCompileError", "LMQConstraintConflictError", "LMQError", "LMQInputError",
+        "LMQLengthError", "LMQNotSupportedError", "LMQRuntimeError", "LMQSyntaxError",
+        "LMQUnknownConstraintError", "LMQUnknownVariableError",
+    ),
+    "lmq_backend.runtime.interpreter": ("Result",),
+    "lmq_backend.runtime.query": ("Query", "compile", "query"),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str):
-    if name == "HFBackend":  # imports torch and transformers: only when asked for
-        from .backend.hf import HFBackend
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmq_backend' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return HFBackend
-    raise AttributeError(f"module 'lmq_backend' has no attribute {name!r}")
 
-
-__all__ = [
-    "Backend", "CacheStats", "HFBackend", "LMQBackendError", "LMQCompileError", "LMQConstraintConflictError",
-    "LMQError", "LMQInputError", "LMQLengthError", "LMQNotSupportedError", "LMQRuntimeError", "LMQSyntaxError",
-    "LMQUnknownConstraintError", "LMQUnknownVariableError", "Query", "Result", "Sequence", "TemplateStats",
-    "compile", "get_backend", "query", "register_backend",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

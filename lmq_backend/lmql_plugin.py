@@ -1,367 +1,173 @@
-"""lmq as a model backend for LMQL 0.7.3 (issue #7; LMQL issue #263): LMQL's queries, lmq's prefix trie.
+"""lmq as a model backend for LMQL 0.7.3 (issues #7, #16; LMQL issue #263): LMQL's queries, lmq's trie.
 
     import lmql
-    import lmq_backend.lmql_plugin as lmq_lmql     # registers the LMTP model class "lmq"
-
-    m = lmq_lmql.model("default")                  # = lmql.model("local:lmq:default", tokenizer=<its folder>)
+    m = lmql.model("local:lmq:default")       # with lmq installed, nothing else to import or pass
     lmql.run_sync('"Q: 2+2=?\\nA:[X]" where INT(X)', model=m)
 
 LMQL resolves `local:NAME` by stripping `local:` and calling `LMTPModel.load(NAME)`, which hands names
-of the form `lmq:SPEC` to the class registered as "lmq" (below). SPEC is an lmq backend name as
-`lmq_backend.get_backend` takes it ("default", a registered name, "hf:<dir>") or a model folder.
+of the form `lmq:SPEC` to the class registered as "lmq" (`LMQModel`, below). SPEC is what
+`lmq_backend.get_backend` takes ("default", a registered name, "hf:<dir>") or a model folder. LMQL 0.7.3
+discovers no plugins, so the wheel ships `lmq-lmql.pth`, which makes `import lmql` register the class and
+teach LMQL lmq's tokenizers and model processes (`lmql_hook.py`); importing this module does the same.
 
-Where the model runs (LMQL's choice, not ours):
-  - default `local:` mode: LMQL starts a subprocess (multiprocessing) running its LMTP scheduler, which
-    loads the class there. With the "fork" start method (Linux) the child inherits the registration;
-    with "spawn"/"forkserver" the child re-imports your main module, so import this module at the top
-    level of your script (as LMQL already requires `lmql.model` calls to sit under `__main__`).
-  - `async_transport=True`: the scheduler runs in this process (then `get_backend(...).stats()` shows
-    the cache at work).
-  - an LMTP server: `python -m lmq_backend.lmql_plugin lmq:default --port 8080` (LMQL's `serve`, with
-    the class registered), then `lmql.model("lmq:default", endpoint="localhost:8080", tokenizer=<dir>)`.
-
-LMQL's scheduler calls `generate`/`score` synchronously from its worker thread (or its event loop) with
-a left-padded numpy batch and re-sends whole prompts every call. Each row is stripped of its padding and
-run as its own lmq sequence (`seq.ids` = LMQL's token ids, so the trie matches them), all rows of a call
-together with `asyncio.gather` on one dedicated event loop, so that lmq's scheduler batches them and
-every call prefills only what the trie does not hold.
+Where the model runs:
+  - default `local:` mode: one model process per SPEC (`lmql_process.py`), shared by every
+    `lmql.model("local:lmq:SPEC", ...)` handle of this interpreter; a failure there (a bad folder, an
+    exception while loading or serving, the process dying) is raised to the LMQL caller.
+  - `async_transport=True`: LMQL's scheduler runs in this process (`get_backend(SPEC).stats()` shows the
+    cache at work).
+  - an LMTP server: `python -m lmq_backend.lmql_plugin lmq:default --port 8080`, then
+    `lmql.model("lmq:default", endpoint="localhost:8080")`.
 """
 from __future__ import annotations
 
-import asyncio
-import os
 import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
+from . import lmql_hook
 
-from lmql.models.lmtp.backends.lmtp_model import LMTPModel, LMTPModelResult
+__all__ = ["LMQModel", "model", "tokenizer_dir"]
 
-from .backend.protocol import Backend, get_backend
-from .runtime.constraints import Stop
-from .runtime.decoders import Greedy, Sampler, Sampling
-
-__all__ = ["LMQModel", "model"]
-
-MASK_RANGE = 50.0  # a token whose LMQL bias lies this far below the row's largest bias is disallowed
+BACKEND_ARGS = ("device", "dtype", "cache_budget")
 
 
-# ----- one event loop for all LMQL calls in this process --------------------------------------------
+# ----- backends: one per (SPEC, arguments) in a process -------------------------------------------------
 
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _run(coro):
-    """Run `coro` on the plugin's event loop (a daemon thread) and wait for it: the engine's scheduler is
-    asyncio-based and must see the concurrent rows of a call in one loop."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="lmq-lmql-loop", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coro, _loop).result()
+_backends: dict[tuple, object] = {}
+_backends_lock = threading.Lock()  # a second handle waits for the first one's load instead of loading twice
 
 
-def _forget_loop() -> None:  # a forked child (LMQL's model subprocess) has no loop thread
-    global _loop, _loop_lock
-    _loop, _loop_lock = None, threading.Lock()
+def _is_folder(spec: str) -> bool:
+    return Path(spec.removeprefix("hf:")).is_dir()
 
 
-os.register_at_fork(after_in_child=_forget_loop)
-
-
-async def _gather(coros) -> None:
-    """Run the rows of one call concurrently; if one fails, cancel the others (their seqs are released)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-# ----- backends ---------------------------------------------------------------------------------------
-
-_backends: dict[tuple, Backend] = {}
-
-
-def _backend(spec: str, **kwargs) -> Backend:
+def _backend(spec: str, **kwargs):
     """The lmq backend for `lmq:SPEC`: a name `get_backend` knows, or a model folder. Keyword arguments
     (device, dtype, cache_budget) load a new HFBackend for it."""
     key = (spec, tuple(sorted(kwargs.items())))
-    if key not in _backends:
-        if not kwargs:
-            _backends[key] = get_backend(spec if not Path(spec).is_dir() else f"hf:{spec}")
+    with _backends_lock:
+        if key not in _backends:
+            if not kwargs:
+                from .backend.protocol import get_backend
+
+                _backends[key] = get_backend(spec if not Path(spec).is_dir() else f"hf:{spec}")
+            else:
+                from .backend.hf import HFBackend
+
+                _backends[key] = HFBackend(spec.removeprefix("hf:"), **kwargs)
+        return _backends[key]
+
+
+def backend_arguments(kwargs: dict) -> dict:
+    """lmq's backend arguments out of LMQL's model arguments (removed from `kwargs`). LMQL renames dtype=
+    to torch_dtype= and cuda=True to device_map="auto"; like LMQL's own backend, cuda=True on a machine
+    without CUDA runs on the CPU, with a warning."""
+    args = {k: kwargs.pop(k) for k in BACKEND_ARGS if k in kwargs}
+    if "torch_dtype" in kwargs:
+        dtype = kwargs.pop("torch_dtype")
+        args["dtype"] = str(dtype).removeprefix("torch.")
+    if kwargs.pop("device_map", None) == "auto" and "device" not in args:
+        import torch
+
+        if torch.cuda.is_available():
+            args["device"] = "cuda"
         else:
-            from .backend.hf import HFBackend
-
-            path = spec[3:] if spec.startswith("hf:") else spec
-            _backends[key] = HFBackend(path, **kwargs)
-    return _backends[key]
+            warnings.warn("lmq: cuda=True, but CUDA is not available here: the model runs on the CPU")
+            args["device"] = "cpu"
+    return args
 
 
-def _tokenizer_dir(backend: Backend) -> str:
-    return str(getattr(backend.vocab.tokenizer, "name_or_path", "") or "")
+def tokenizer_dir(spec: str) -> str:
+    """The tokenizer folder of `lmq:SPEC`, for LMQL's tokenizer (loaded in LMQL's process)."""
+    if spec == "default":
+        from .backend.default_model import default_model_dir
+
+        return str(default_model_dir())
+    if _is_folder(spec):
+        return spec.removeprefix("hf:")
+    from .backend.protocol import get_backend
+
+    return str(getattr(get_backend(spec).vocab.tokenizer, "name_or_path", "") or "")
 
 
 def model(spec: str = "default", **kwargs):
-    """`lmql.model("local:lmq:SPEC", tokenizer=<the backend's tokenizer folder>, **kwargs)`."""
+    """`lmql.model("local:lmq:SPEC", **kwargs)` (kept from before the one-line switch: it passes LMQL the
+    tokenizer folder of SPEC's backend explicitly)."""
     import lmql
 
-    if "tokenizer" not in kwargs:
-        if spec == "default":
-            from .backend.default_model import default_model_dir
-
-            kwargs["tokenizer"] = str(default_model_dir())
-        elif Path(spec.removeprefix("hf:")).is_dir():
-            kwargs["tokenizer"] = spec.removeprefix("hf:")
-        else:
-            kwargs["tokenizer"] = _tokenizer_dir(get_backend(spec))
+    kwargs.setdefault("tokenizer", tokenizer_dir(spec))
     return lmql.model(f"local:lmq:{spec}", **kwargs)
-
-
-# ----- one generate() call: LMQL's bias as a hole constraint, tokens streamed as whole-batch steps -----
-
-class _BiasState:
-    """A HoleState (see runtime/constraints.py) for one row: the tokens LMQL's bias allows, ending where
-    it allows a special token (EOS), a Stop after max_new_tokens."""
-
-    def __init__(self, allowed: np.ndarray, can_end: bool, max_new_tokens: int, vocab):
-        self._allowed, self._can_end, self.max_new_tokens, self.vocab = allowed, can_end, max_new_tokens, vocab
-        self.tokens: list[int] = []
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def text(self) -> str:
-        return self.vocab.decode_bytes(self.tokens).decode("utf-8", errors="replace")
-
-    def allowed(self) -> np.ndarray:
-        return self._allowed if self.n_tokens < self.max_new_tokens else np.zeros_like(self._allowed)
-
-    def can_end(self) -> bool:
-        return self._can_end
-
-    def advance(self, token_id: int) -> Stop | None:
-        self.tokens.append(int(token_id))
-        if self.n_tokens >= self.max_new_tokens:
-            return Stop(text=self.text, keep=self.n_tokens, tail="")
-        return None
-
-
-class _BiasSampler(Sampler):
-    """Adds LMQL's bias to the logits, keeps the pick inside the allowed tokens and reports every pick
-    (with its log-probabilities, as LMQL's streamer wants them) to the batch."""
-
-    def __init__(self, inner: Sampler, bias: torch.Tensor, allowed: torch.Tensor, batch: "_Batch", row: int):
-        self.inner, self.bias, self.allowed, self.batch, self.row = inner, bias, allowed, batch, row
-
-    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        if self.bias.device != logits.device:
-            self.bias, self.allowed = self.bias.to(logits.device), self.allowed.to(logits.device)
-        mask = self.allowed
-        if allowed is not None:  # the engine narrows to value tokens while the hole cannot end
-            mask = mask & allowed.to(logits.device)
-        biased = (logits.float() + self.bias).masked_fill(~mask, float("-inf"))
-        token = self.inner.select(biased, None)
-        self.batch.push(self.row, token, torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32))
-        return token
-
-
-class _Batch:
-    """The new tokens of all rows of one generate() call. LMQL's streamer takes whole-batch steps
-    (`streamer(input_ids [B, T+k+1], [logprobs [B, V]])`) and never the last one, which generate()
-    returns; rows that ended early are padded with EOS, as transformers' generate does."""
-
-    def __init__(self, input_ids: np.ndarray, streamer, eos: int, special: np.ndarray, max_new_tokens: int):
-        self.input_ids, self.streamer, self.eos, self.special = input_ids, streamer, eos, special
-        self.max_new_tokens = max_new_tokens
-        self.tokens: list[list[int]] = [[] for _ in input_ids]
-        self.scores: list[list[np.ndarray | None]] = [[] for _ in input_ids]
-        self.done = [False] * len(input_ids)
-        self.emitted = 0  # steps handed to the streamer
-        self.pad_scores = np.full(len(special), -np.inf, dtype=np.float32)
-        self.pad_scores[eos] = 0.0
-
-    def push(self, row: int, token: int, scores: np.ndarray) -> None:
-        self.tokens[row].append(int(token))
-        self.scores[row].append(scores)
-        self._emit()
-
-    def finish(self, row: int) -> None:
-        t = self.tokens[row]
-        if not t or (not self.special[t[-1]] and len(t) < self.max_new_tokens):
-            t.append(self.eos)  # the engine ended the row without a pick (only special tokens allowed)
-            self.scores[row].append(self.pad_scores)
-        self.done[row] = True
-        self._emit()
-
-    def _step(self, k: int) -> list[np.ndarray] | None:
-        """The log-probabilities of step k of every row, None while a running row has not reached it."""
-        scores = []
-        for t, s, done in zip(self.tokens, self.scores, self.done):
-            if k < len(t):
-                scores.append(s[k])
-            elif done:
-                scores.append(self.pad_scores)
-            else:
-                return None
-        return scores
-
-    def _emit(self) -> None:
-        """Stream every complete step but the newest (which may be the last one, that generate() returns)."""
-        while self.emitted + 1 < max(len(t) for t in self.tokens):
-            scores = self._step(self.emitted)
-            if scores is None:
-                return
-            self.emitted += 1
-            if self.streamer is not None:
-                self.streamer(self._sequences(self.emitted), [np.stack(scores)])
-            for s in self.scores:  # streamed: not needed again
-                if len(s) >= self.emitted:
-                    s[self.emitted - 1] = None
-
-    def _sequences(self, n: int) -> np.ndarray:
-        new = np.asarray([t[:n] + [self.eos] * (n - len(t[:n])) for t in self.tokens], dtype=self.input_ids.dtype)
-        return np.concatenate([self.input_ids, new.reshape(len(self.tokens), n)], axis=1)
-
-    def result(self) -> LMTPModelResult:
-        self._emit()
-        n = max(len(t) for t in self.tokens)
-        return LMTPModelResult(sequences=self._sequences(n), scores=[np.stack(self._step(n - 1))])
 
 
 # ----- the LMTP model class ---------------------------------------------------------------------------
 
-class LMQModel(LMTPModel):
-    """LMQL's LMTP model interface (`generate`, `score`) served by an lmq backend."""
+class LMQModel:
+    """LMQL's LMTP model interface (`lmql.models.lmtp.backends.lmtp_model.LMTPModel`: `generate`, `score`,
+    `eos_token_id`, `max_batch_size`, `model_info`) served by an lmq backend. Not a subclass: importing
+    LMQL's `lmtp_model` imports transformers and torch, and this module loads with neither.
+
+    Never raises while loading: LMQL loads models on a scheduler thread whose exceptions no client sees
+    (the client would wait forever). A load failure is kept and raised by every call instead, which
+    LMQL's scheduler sends to the caller as an error."""
+
+    max_batch_size: int = 32
 
     def __init__(self, model_identifier: str, **kwargs):
         self.model_identifier = model_identifier
-        spec = model_identifier.split(":", 1)[1] if model_identifier.startswith("lmq:") else model_identifier
-        self.max_batch_size = int(kwargs.pop("batch_size", 32))
-        self.mask_chunk = int(kwargs.pop("mask_chunk", 1))  # tokens per call when every row has an allow-list
-        kwargs.pop("silent", None)
-        backend_args = {k: kwargs.pop(k) for k in ("device", "dtype", "cache_budget") if k in kwargs}
-        if "torch_dtype" in kwargs:  # LMQL renames dtype= to torch_dtype=
-            backend_args["dtype"] = kwargs.pop("torch_dtype")
-        if kwargs.pop("device_map", None) == "auto":  # LMQL's cuda=True
-            backend_args.setdefault("device", "cuda")
-        if kwargs:
-            warnings.warn(f"lmq: ignoring LMQL model arguments {sorted(kwargs)}")
-        self.backend = _backend(spec, **backend_args)
-        vocab = self.backend.vocab
-        eos = getattr(vocab.tokenizer, "eos_token_id", None)
-        self._eos = int(eos if eos is not None else min(vocab.eos_ids))
+        self.spec = model_identifier.split(":", 1)[1] if model_identifier.startswith("lmq:") else model_identifier
+        self.failure: str | None = None
+        self._calls = None
+        try:
+            self.max_batch_size = int(kwargs.pop("batch_size", 32))
+            mask_chunk = int(kwargs.pop("mask_chunk", 1))  # tokens per call when every row has an allow-list
+            kwargs.pop("silent", None)
+            args = backend_arguments(kwargs)
+            if kwargs:
+                warnings.warn(f"lmq: ignoring LMQL model arguments {sorted(kwargs)}")
+            from .lmql_calls import LMQLCalls
+
+            self._calls = LMQLCalls(_backend(self.spec, **args), mask_chunk=mask_chunk)
+        except BaseException as e:  # noqa: BLE001 - reported to LMQL's caller by generate/score
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            self.failure = f"lmq could not load the model {model_identifier!r}: {type(e).__name__}: {e}"
+            print(f"{self.failure}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+    @property
+    def backend(self):
+        return self._serving().backend
+
+    @property
+    def mask_chunk(self) -> int:
+        return self._serving().mask_chunk
 
     @property
     def eos_token_id(self) -> int:
-        return self._eos
+        return self._serving().eos_token_id
 
     def model_info(self):
-        return {"model": self.model_identifier, "model_type": "lmq", "backend": self.backend.name}
+        info = {"model": self.model_identifier, "model_type": "lmq"}
+        return {**info, "error": self.failure} if self.failure else {**info, "backend": self._calls.backend.name}
 
-    # ----- generate -------------------------------------------------------------------------------
+    def generate(self, input_ids, attention_mask, temperature, max_new_tokens, bias_tensor, streamer, **kwargs):
+        return self._serving().generate(input_ids, attention_mask, temperature, max_new_tokens, bias_tensor,
+                                        streamer, **kwargs)
 
-    def generate(self, input_ids, attention_mask, temperature, max_new_tokens, bias_tensor, streamer,
-                 **kwargs) -> LMTPModelResult:
-        input_ids = np.asarray(input_ids, dtype=np.int64)
-        attention_mask = np.asarray(attention_mask)
-        top_p = float(kwargs.pop("top_p", 1.0))
-        if kwargs:
-            warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
-        masks = [self._mask(b) for b in (bias_tensor if bias_tensor is not None else [None] * len(input_ids))]
-        if all(int(allowed.sum()) < self.backend.vocab.size // 2 for _, allowed, _ in masks):
-            # LMQL keys the tokens of a call by the allow-list of its first step; the next step has
-            # another (a choice's next prefix, EOS), so tokens generated under this one go unused
-            max_new_tokens = min(max_new_tokens, self.mask_chunk)
-        batch = _Batch(input_ids, streamer, self._eos, self.backend.vocab.special, max_new_tokens)
-        inner = (lambda: Greedy()) if temperature == 0 else (lambda: Sampling(temperature, top_p))
-        _run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), m, inner(), max_new_tokens)
-                      for i, (ids, mask, m) in enumerate(zip(input_ids, attention_mask, masks))]))
-        return batch.result()
+    def score(self, input_ids, attention_mask, **kwargs):
+        return self._serving().score(input_ids, attention_mask, **kwargs)
 
-    def _mask(self, bias) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """LMQL's logit bias of a row (a {token: value} dict, or a dense row) as (additive bias, allowed,
-        can_end). LMQL masks with +100 on an allow-list or -100 on a deny-list."""
-        vocab = self.backend.vocab
-        dense = torch.zeros(vocab.size, dtype=torch.float32)
-        if isinstance(bias, dict):
-            if bias:
-                dense[torch.tensor([int(k) for k in bias])] = torch.tensor([float(v) for v in bias.values()])
-        elif bias is not None:
-            b = torch.as_tensor(np.asarray(bias, dtype=np.float32))[: vocab.size]
-            dense[: len(b)] = b
-        allowed = dense >= dense.max() - MASK_RANGE
-        return dense, allowed, bool(allowed.numpy()[vocab.special].any())
+    def _serving(self):
+        if self.failure is not None:
+            from .errors import LMQBackendError
 
-    async def _generate_row(self, batch: _Batch, row: int, ids: list[int], mask, inner: Sampler,
-                            max_new_tokens: int) -> None:
-        backend = self.backend
-        dense, allowed, can_end = mask
-        state = _BiasState(allowed.numpy(), can_end, max_new_tokens, backend.vocab)
-        seq = backend.sequence(template="lmql", max_len=1 << 30)
-        seq.ids = ids
-        try:
-            await backend.generate(seq, state, _BiasSampler(inner, dense, allowed, batch, row))
-        finally:
-            backend.release(seq)
-        batch.finish(row)
-
-    # ----- score ----------------------------------------------------------------------------------
-
-    def score(self, input_ids, attention_mask, **kwargs) -> np.ndarray:
-        """Log-probabilities [B, T] of each token given the ones before it (0 where not computed)."""
-        input_ids = np.asarray(input_ids, dtype=np.int64)
-        attention_mask = np.asarray(attention_mask)
-        offsets = _lmql_scoring_offsets(len(input_ids))
-        out = np.zeros(input_ids.shape, dtype=np.float32)
-
-        async def score_row(i: int) -> None:
-            pad = int((attention_mask[i] == 0).sum())
-            ids = input_ids[i, pad:].tolist()
-            start = max(1, offsets[i] - pad) if offsets is not None else 1
-            if start >= len(ids):
-                return
-            seq = self.backend.sequence(template="lmql", max_len=1 << 30)
-            seq.ids = ids[:start]
-            try:
-                [lps] = await self.backend.score_tokens(seq, [ids[start:]])
-            finally:
-                self.backend.release(seq)
-            out[i, pad + start:] = lps
-
-        _run(_gather([score_row(i) for i in range(len(input_ids))]))
-        return out
+            raise LMQBackendError(self.failure)
+        return self._calls
 
 
-def _lmql_scoring_offsets(n_rows: int) -> list[int] | None:
-    """Where, per row of a score() batch (in padded columns), the tokens LMQL wants scored begin.
-
-    LMQL 0.7.3's `Scheduler.process_batch` holds them (`GenerateBatch.scoring_offsets`) but calls
-    `model.score(input_ids, attention_mask)` without them; they are read from its frame, so that only the
-    scored tokens are computed and the prompt before them comes from the trie. If they are not found
-    (another LMQL version), whole rows are scored: exact, but without reuse."""
-    from lmql.models.lmtp.lmtp_scheduler import GenerateBatch
-
-    frame = sys._getframe(1)
-    for _ in range(4):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        b = frame.f_locals.get("b")
-        if isinstance(b, GenerateBatch) and b.scoring_offsets is not None and len(b.scoring_offsets) == n_rows:
-            return [int(o) for o in b.scoring_offsets]
-    return None
-
-
-LMTPModel.registry["lmq"] = LMQModel
+lmql_hook.install()  # registers LMQModel with LMQL now, or when LMQL's model registry is imported
 
 
 if __name__ == "__main__":  # an LMTP server for lmq models: python -m lmq_backend.lmql_plugin lmq:default --port 8080

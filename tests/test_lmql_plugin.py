@@ -7,6 +7,7 @@ its own), plus one query in LMQL's default `local:` (subprocess) mode.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 from pathlib import Path
@@ -208,8 +209,9 @@ def test_model_arguments_reach_the_backend(tiny_folder, monkeypatch):  # noqa: F
     monkeypatch.setattr("lmq_backend.backend.hf.HFBackend", Recorder)
     monkeypatch.setattr(lmq_lmql, "_backends", {})
     with pytest.warns(UserWarning, match="ignoring LMQL model arguments.*'unknown'"):
-        lmq_lmql.LMQModel("lmq:/some/dir", torch_dtype="bfloat16", device_map="auto", unknown=1)
-    assert seen == [("/some/dir", {"dtype": "bfloat16", "device": "cuda"})]
+        lmq_lmql.LMQModel("lmq:/some/dir", torch_dtype=torch.bfloat16, device_map="auto", unknown=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (without CUDA: a warning, see test_lmql_failures)
+    assert seen == [("/some/dir", {"dtype": "bfloat16", "device": device})]
 
 
 def test_mask_chunk(backend):
@@ -267,15 +269,23 @@ async def test_lmtp_server(tiny_folder):  # noqa: F811
         server.wait(timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="SPEC section 7: the model string alone should switch an LMQL script to "
-                                       "lmq; without importing lmq_backend.lmql_plugin LMQL finds no tokenizer")
-def test_the_model_string_alone_is_enough(tmp_path):
+def test_the_model_string_alone_is_enough():
+    """SPEC 7 / issue #16: with lmq installed, a fresh interpreter that imports only lmql switches to lmq by
+    the model string (the wheel's lmq-lmql.pth hooks LMQL; no tokenizer= argument), in LMQL's default
+    subprocess mode and in-process, and answers as lmq's own engine does."""
     import subprocess
 
-    script = tmp_path / "alone.py"
-    script.write_text("import asyncio, lmql\n"
-                      "q = lmql.query('\"Say:[X]\" where len(TOKENS(X)) < 3\\nreturn X', "
-                      "model=lmql.model('local:lmq:default', async_transport=True))\n"
-                      "print(repr(asyncio.run(q())))\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    script = ("import asyncio, lmql\n"
+              "q = '\"Review: Terrible. Never again!\\\\nSentiment:[X]\" where X in [\" positive\", \" negative\"]\\nreturn X'\n"
+              "async def main():\n"
+              "    for m in (lmql.model('local:lmq:default'), lmql.model('local:lmq:default', async_transport=True)):\n"
+              "        print(repr(await lmql.query(q, model=m)()))\n"
+              "asyncio.run(main())\n")
+    env = {k: v for k, v in os.environ.items() if k != "LMQ_LMQL_HOOK"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["' negative'"] * 2
+    # the hook is what switches it: without it, LMQL finds no tokenizer for "lmq:default"
+    off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**env, "LMQ_LMQL_HOOK": "0"})
+    assert off.returncode != 0 and "TokenizerNotAvailableError" in off.stderr

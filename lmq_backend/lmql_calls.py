@@ -1,0 +1,277 @@
+"""LMQL's model calls (`generate`, `score`) on an lmq backend: the torch side of the LMQL plugin.
+
+LMQL's scheduler calls `generate`/`score` synchronously from its worker thread (or its event loop) with
+a left-padded numpy batch and re-sends whole prompts every call. Each row is stripped of its padding and
+run as its own lmq sequence (`seq.ids` = LMQL's token ids, so the trie matches them), all rows of a call
+together with `asyncio.gather` on one dedicated event loop, so that lmq's scheduler batches them and
+every call prefills only what the trie does not hold.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from lmql.models.lmtp.backends.lmtp_model import LMTPModelResult
+
+from .backend.protocol import Backend
+from .runtime.constraints import Stop
+from .runtime.decoders import Greedy, Sampler, Sampling
+
+MASK_RANGE = 50.0  # a token whose LMQL bias lies this far below the row's largest bias is disallowed
+
+
+# ----- one event loop for all LMQL calls in this process --------------------------------------------
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _run(coro):
+    """Run `coro` on the plugin's event loop (a daemon thread) and wait for it: the engine's scheduler is
+    asyncio-based and must see the concurrent rows of a call in one loop."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="lmq-lmql-loop", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coro, _loop).result()
+
+
+def _forget_loop() -> None:  # a forked child (LMQL's model subprocess) has no loop thread
+    global _loop, _loop_lock
+    _loop, _loop_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop)
+
+
+async def _gather(coros) -> None:
+    """Run the rows of one call concurrently; if one fails, cancel the others (their seqs are released)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ----- one generate() call: LMQL's bias as a hole constraint, tokens streamed as whole-batch steps -----
+
+class _BiasState:
+    """A HoleState (see runtime/constraints.py) for one row: the tokens LMQL's bias allows, ending where
+    it allows a special token (EOS), a Stop after max_new_tokens."""
+
+    def __init__(self, allowed: np.ndarray, can_end: bool, max_new_tokens: int, vocab):
+        self._allowed, self._can_end, self.max_new_tokens, self.vocab = allowed, can_end, max_new_tokens, vocab
+        self.tokens: list[int] = []
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def text(self) -> str:
+        return self.vocab.decode_bytes(self.tokens).decode("utf-8", errors="replace")
+
+    def allowed(self) -> np.ndarray:
+        return self._allowed if self.n_tokens < self.max_new_tokens else np.zeros_like(self._allowed)
+
+    def can_end(self) -> bool:
+        return self._can_end
+
+    def advance(self, token_id: int) -> Stop | None:
+        self.tokens.append(int(token_id))
+        if self.n_tokens >= self.max_new_tokens:
+            return Stop(text=self.text, keep=self.n_tokens, tail="")
+        return None
+
+
+class _BiasSampler(Sampler):
+    """Adds LMQL's bias to the logits, keeps the pick inside the allowed tokens and reports every pick
+    (with its log-probabilities, as LMQL's streamer wants them) to the batch."""
+
+    def __init__(self, inner: Sampler, bias: torch.Tensor, allowed: torch.Tensor, batch: "_Batch", row: int):
+        self.inner, self.bias, self.allowed, self.batch, self.row = inner, bias, allowed, batch, row
+
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        if self.bias.device != logits.device:
+            self.bias, self.allowed = self.bias.to(logits.device), self.allowed.to(logits.device)
+        mask = self.allowed
+        if allowed is not None:  # the engine narrows to value tokens while the hole cannot end
+            mask = mask & allowed.to(logits.device)
+        biased = (logits.float() + self.bias).masked_fill(~mask, float("-inf"))
+        token = self.inner.select(biased, None)
+        self.batch.push(self.row, token, torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32))
+        return token
+
+
+class _Batch:
+    """The new tokens of all rows of one generate() call. LMQL's streamer takes whole-batch steps
+    (`streamer(input_ids [B, T+k+1], [logprobs [B, V]])`) and never the last one, which generate()
+    returns; rows that ended early are padded with EOS, as transformers' generate does."""
+
+    def __init__(self, input_ids: np.ndarray, streamer, eos: int, special: np.ndarray, max_new_tokens: int):
+        self.input_ids, self.streamer, self.eos, self.special = input_ids, streamer, eos, special
+        self.max_new_tokens = max_new_tokens
+        self.tokens: list[list[int]] = [[] for _ in input_ids]
+        self.scores: list[list[np.ndarray | None]] = [[] for _ in input_ids]
+        self.done = [False] * len(input_ids)
+        self.emitted = 0  # steps handed to the streamer
+        self.pad_scores = np.full(len(special), -np.inf, dtype=np.float32)
+        self.pad_scores[eos] = 0.0
+
+    def push(self, row: int, token: int, scores: np.ndarray) -> None:
+        self.tokens[row].append(int(token))
+        self.scores[row].append(scores)
+        self._emit()
+
+    def finish(self, row: int) -> None:
+        t = self.tokens[row]
+        if not t or (not self.special[t[-1]] and len(t) < self.max_new_tokens):
+            t.append(self.eos)  # the engine ended the row without a pick (only special tokens allowed)
+            self.scores[row].append(self.pad_scores)
+        self.done[row] = True
+        self._emit()
+
+    def _step(self, k: int) -> list[np.ndarray] | None:
+        """The log-probabilities of step k of every row, None while a running row has not reached it."""
+        scores = []
+        for t, s, done in zip(self.tokens, self.scores, self.done):
+            if k < len(t):
+                scores.append(s[k])
+            elif done:
+                scores.append(self.pad_scores)
+            else:
+                return None
+        return scores
+
+    def _emit(self) -> None:
+        """Stream every complete step but the newest (which may be the last one, that generate() returns)."""
+        while self.emitted + 1 < max(len(t) for t in self.tokens):
+            scores = self._step(self.emitted)
+            if scores is None:
+                return
+            self.emitted += 1
+            if self.streamer is not None:
+                self.streamer(self._sequences(self.emitted), [np.stack(scores)])
+            for s in self.scores:  # streamed: not needed again
+                if len(s) >= self.emitted:
+                    s[self.emitted - 1] = None
+
+    def _sequences(self, n: int) -> np.ndarray:
+        new = np.asarray([t[:n] + [self.eos] * (n - len(t[:n])) for t in self.tokens], dtype=self.input_ids.dtype)
+        return np.concatenate([self.input_ids, new.reshape(len(self.tokens), n)], axis=1)
+
+    def result(self) -> LMTPModelResult:
+        self._emit()
+        n = max(len(t) for t in self.tokens)
+        return LMTPModelResult(sequences=self._sequences(n), scores=[np.stack(self._step(n - 1))])
+
+
+# ----- the calls -------------------------------------------------------------------------------------
+
+class LMQLCalls:
+    """`generate` and `score` as LMQL's LMTP model interface defines them, served by `backend`."""
+
+    def __init__(self, backend: Backend, mask_chunk: int = 1):
+        self.backend, self.mask_chunk = backend, mask_chunk
+        vocab = backend.vocab
+        eos = getattr(vocab.tokenizer, "eos_token_id", None)
+        self.eos_token_id = int(eos if eos is not None else min(vocab.eos_ids))
+
+    def generate(self, input_ids, attention_mask, temperature, max_new_tokens, bias_tensor, streamer,
+                 **kwargs) -> LMTPModelResult:
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        attention_mask = np.asarray(attention_mask)
+        top_p = float(kwargs.pop("top_p", 1.0))
+        if kwargs:
+            warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
+        masks = [self._mask(b) for b in (bias_tensor if bias_tensor is not None else [None] * len(input_ids))]
+        if all(int(allowed.sum()) < self.backend.vocab.size // 2 for _, allowed, _ in masks):
+            # LMQL keys the tokens of a call by the allow-list of its first step; the next step has
+            # another (a choice's next prefix, EOS), so tokens generated under this one go unused
+            max_new_tokens = min(max_new_tokens, self.mask_chunk)
+        batch = _Batch(input_ids, streamer, self.eos_token_id, self.backend.vocab.special, max_new_tokens)
+        inner = (lambda: Greedy()) if temperature == 0 else (lambda: Sampling(temperature, top_p))
+        _run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), m, inner(), max_new_tokens)
+                      for i, (ids, mask, m) in enumerate(zip(input_ids, attention_mask, masks))]))
+        return batch.result()
+
+    def _mask(self, bias) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """LMQL's logit bias of a row (a {token: value} dict, or a dense row) as (additive bias, allowed,
+        can_end). LMQL masks with +100 on an allow-list or -100 on a deny-list."""
+        vocab = self.backend.vocab
+        dense = torch.zeros(vocab.size, dtype=torch.float32)
+        if isinstance(bias, dict):
+            if bias:
+                dense[torch.tensor([int(k) for k in bias])] = torch.tensor([float(v) for v in bias.values()])
+        elif bias is not None:
+            b = torch.as_tensor(np.asarray(bias, dtype=np.float32))[: vocab.size]
+            dense[: len(b)] = b
+        allowed = dense >= dense.max() - MASK_RANGE
+        return dense, allowed, bool(allowed.numpy()[vocab.special].any())
+
+    async def _generate_row(self, batch: _Batch, row: int, ids: list[int], mask, inner: Sampler,
+                            max_new_tokens: int) -> None:
+        backend = self.backend
+        dense, allowed, can_end = mask
+        state = _BiasState(allowed.numpy(), can_end, max_new_tokens, backend.vocab)
+        seq = backend.sequence(template="lmql", max_len=1 << 30)
+        seq.ids = ids
+        try:
+            await backend.generate(seq, state, _BiasSampler(inner, dense, allowed, batch, row))
+        finally:
+            backend.release(seq)
+        batch.finish(row)
+
+    # ----- score ----------------------------------------------------------------------------------
+
+    def score(self, input_ids, attention_mask, **kwargs) -> np.ndarray:
+        """Log-probabilities [B, T] of each token given the ones before it (0 where not computed)."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        attention_mask = np.asarray(attention_mask)
+        offsets = _lmql_scoring_offsets(len(input_ids))
+        out = np.zeros(input_ids.shape, dtype=np.float32)
+
+        async def score_row(i: int) -> None:
+            pad = int((attention_mask[i] == 0).sum())
+            ids = input_ids[i, pad:].tolist()
+            start = max(1, offsets[i] - pad) if offsets is not None else 1
+            if start >= len(ids):
+                return
+            seq = self.backend.sequence(template="lmql", max_len=1 << 30)
+            seq.ids = ids[:start]
+            try:
+                [lps] = await self.backend.score_tokens(seq, [ids[start:]])
+            finally:
+                self.backend.release(seq)
+            out[i, pad + start:] = lps
+
+        _run(_gather([score_row(i) for i in range(len(input_ids))]))
+        return out
+
+
+def _lmql_scoring_offsets(n_rows: int) -> list[int] | None:
+    """Where, per row of a score() batch (in padded columns), the tokens LMQL wants scored begin.
+
+    LMQL 0.7.3's `Scheduler.process_batch` holds them (`GenerateBatch.scoring_offsets`) but calls
+    `model.score(input_ids, attention_mask)` without them; they are read from its frame, so that only the
+    scored tokens are computed and the prompt before them comes from the trie. If they are not found
+    (another LMQL version), whole rows are scored: exact, but without reuse."""
+    from lmql.models.lmtp.lmtp_scheduler import GenerateBatch
+
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        b = frame.f_locals.get("b")
+        if isinstance(b, GenerateBatch) and b.scoring_offsets is not None and len(b.scoring_offsets) == n_rows:
+            return [int(o) for o in b.scoring_offsets]
+    return None

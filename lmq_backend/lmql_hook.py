@@ -1,0 +1,113 @@
+"""`lmql.model("local:lmq:SPEC")` with lmq installed and nothing else: the hook that makes LMQL find lmq.
+
+LMQL 0.7.3 has no plugin discovery: no entry points, and `import lmql` imports neither torch nor
+transformers (whose own hooks could run code). Its model classes live in `LMTPModel.registry`, filled by
+imports; a tokenizer is found only through tiktoken, Hugging Face names/folders or its slow GPT-2
+tokenizer, none of which knows "lmq:default". So the wheel ships one line, `lmq-lmql.pth`, which
+`site` runs at start-up: `install()` below adds an import hook (stdlib only; `import lmq_backend` loads
+nothing else) that acts only when LMQL's own modules are imported:
+
+  - `lmql.runtime.tokenizer`: a tokenizer name "lmq:SPEC" (LMQL's default: the model name) loads the
+    tokenizer folder of SPEC (`lmql_plugin.tokenizer_dir`);
+  - `lmql.models.lmtp.backends.lmtp_model`: `LMTPModel.registry["lmq"] = lmql_plugin.LMQModel`;
+  - `lmql.models.lmtp.lmtp_dcmodel`: `local:lmq:SPEC` models in LMQL's subprocess mode run in lmq's model
+    process for SPEC (`lmql_process.py`: one per SPEC, failures raised to the caller).
+
+LMQ_LMQL_HOOK=0 turns the .pth file's hook off; `import lmq_backend.lmql_plugin` installs it anyway.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+PREFIX = "lmq:"
+
+
+def _patch_tokenizer(module) -> None:
+    load = module._load_tokenizer
+    if getattr(load, "_lmq", False):
+        return
+
+    def _load_tokenizer(model_identifier, type, **kwargs):
+        if isinstance(model_identifier, str) and model_identifier.startswith(PREFIX):
+            from .lmql_plugin import tokenizer_dir
+
+            model_identifier = tokenizer_dir(model_identifier[len(PREFIX):])
+        return load(model_identifier, type, **kwargs)
+
+    _load_tokenizer._lmq = True
+    module._load_tokenizer = _load_tokenizer
+
+
+def _patch_registry(module) -> None:
+    from .lmql_plugin import LMQModel  # (imports nothing heavy)
+
+    module.LMTPModel.registry["lmq"] = LMQModel
+
+
+def _patch_processes(module) -> None:
+    factory = module.lmtp_model.inprocess_client_constructor_factory
+    if getattr(factory, "_lmq", False):
+        return
+
+    def inprocess_client_constructor_factory(self, identifier, **kwargs):
+        if identifier.startswith(PREFIX) and not self.async_transport:
+            from .lmql_process import handle_or_none
+
+            handle = handle_or_none(identifier, kwargs)
+            if handle is not None:
+                return handle
+        return factory(self, identifier, **kwargs)
+
+    inprocess_client_constructor_factory._lmq = True
+    module.lmtp_model.inprocess_client_constructor_factory = inprocess_client_constructor_factory
+
+
+PATCHES = {
+    "lmql.runtime.tokenizer": _patch_tokenizer,
+    "lmql.models.lmtp.backends.lmtp_model": _patch_registry,
+    "lmql.models.lmtp.lmtp_dcmodel": _patch_processes,
+}
+
+
+class _Loader:
+    """Runs the module's own loader, then patches the module (plain classes: `importlib.abc` costs 40 ms)."""
+
+    def __init__(self, inner, patch):
+        self.inner, self.patch = inner, patch
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        self.patch(module)
+
+
+class _Finder:
+    def find_spec(self, fullname, path, target=None):
+        patch = PATCHES.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:  # the spec the other finders give, with its loader wrapped
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, patch)
+                return spec
+        return None
+
+
+def install(at_startup: bool = False) -> None:
+    """Patch LMQL's modules already imported and hook those imported later (idempotent). `at_startup`:
+    called by the .pth file, which LMQ_LMQL_HOOK=0 turns off."""
+    if at_startup and os.environ.get("LMQ_LMQL_HOOK", "1") == "0":
+        return
+    for name, patch in PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None and not getattr(module.__spec__, "_initializing", False):
+            patch(module)  # (one still importing is patched by its wrapped loader when done)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
