@@ -1,0 +1,276 @@
+"""`QueryTransformer`: lark's statement-level parse tree -> `QueryAST`, one method per rule of
+`grammar/lmq.lark`."""
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from typing import Any
+
+from lark import Token, Transformer, Tree, v_args
+
+from ..errors import LMQCompileError
+from .ast import (
+    Break, Continue, Decoder, Distribution, Exec, For, Hole, If, Piece, Prompt, PyExpr, PyStmt, QueryAST,
+    Return, Span, Stmt,
+)
+from .python_code import _PyText, make_expr, make_stmt
+from .source import _Source
+from .templates import _literal, _merge_text, decode_string_token, parse_template
+from .where import _combine, _ConstraintBuilder
+
+
+class _PendingWhere:
+    """The expression of a where (inline or global), converted once all holes are known."""
+
+    def __init__(self, py: _PyText):
+        self.py = py
+
+
+_DECODERS_AT_TOP = {"argmax", "sample", "beam"}
+
+
+@v_args(meta=True)
+class QueryTransformer(Transformer):
+    """Mirrors the statement- and clause-level rules of lmq.lark one to one. Python expression
+    subtrees are left untransformed (not even visited) and turned into PyExpr from their source text."""
+
+    RULES = frozenset({
+        "start", "decoder_block", "from_clause", "where_clause", "distribution_clause",
+        "expr_stmt", "assign_stmt", "augassign_stmt", "annassign_stmt", "prompt_stmt", "return_stmt", "pass_stmt",
+        "break_stmt", "continue_stmt", "if_stmt", "elif_clause", "else_clause", "for_stmt", "suite",
+    })
+
+    def __init__(self, src: _Source):
+        super().__init__(visit_tokens=False)
+        self.src = src
+        self.holes: list[str] = []
+        self.pending: dict[int, _PendingWhere] = {}   # id(Prompt) -> its inline where
+
+    # lark hook: do not descend into Python expression subtrees
+    def _transform_tree(self, tree: Tree) -> Any:
+        if tree.data in self.RULES:
+            return super()._transform_tree(tree)
+        return tree
+
+    # -- helpers --
+    def _span_of(self, node: Tree | Token) -> tuple[int, int, int, int]:
+        if isinstance(node, Token):
+            return node.start_pos, node.end_pos, node.line, node.column
+        m = node.meta
+        if m.empty:
+            raise self.src.error("empty expression", 0, 0)
+        return m.start_pos, m.end_pos, m.line, m.column
+
+    def _text(self, node: Tree | Token) -> tuple[str, int, int]:
+        start, end, line, col = self._span_of(node)
+        return self.src.text[start:end], line, col
+
+    def _expr(self, node: Tree | Token) -> PyExpr:
+        return make_expr(*self._text(node), self.src)
+
+    def _stmt(self, meta: Any) -> PyStmt:
+        return make_stmt(self.src.text[meta.start_pos:meta.end_pos], meta.line, meta.column, self.src)
+
+    def _where(self, node: Tree | Token) -> _PendingWhere:
+        text, line, col = self._text(node)
+        return _PendingWhere(_PyText(text, line, col, self.src))
+
+    def _prompt(self, strings: Tree, where: _PendingWhere | None) -> Prompt:
+        pieces: list[Piece] = []
+        for tok in strings.children:
+            value, offsets = decode_string_token(tok, self.src)
+            pieces.extend(parse_template(value, offsets, self.src))
+        for p in pieces:
+            if isinstance(p, Hole):
+                self.holes.append(p.name)
+        first = strings.children[0]
+        prompt = Prompt(_merge_text(pieces), None, Span(first.line, first.column))
+        if where is not None:
+            self.pending[id(prompt)] = where
+        return prompt
+
+    @staticmethod
+    def _is_strings(node: Any) -> bool:
+        return isinstance(node, Tree) and node.data == "strings"
+
+    # -- statements --
+    def expr_stmt(self, meta, children):
+        (node,) = children
+        if self._is_strings(node):
+            return self._prompt(node, None)
+        return Exec(self._stmt(meta))
+
+    def assign_stmt(self, meta, children):
+        return Exec(self._stmt(meta))
+
+    def augassign_stmt(self, meta, children):
+        return Exec(self._stmt(meta))
+
+    def annassign_stmt(self, meta, children):
+        return Exec(self._stmt(meta))
+
+    def prompt_stmt(self, meta, children):
+        strings, test = children
+        return self._prompt(strings, self._where(test))
+
+    def return_stmt(self, meta, children):
+        value = children[0] if children else None
+        return Return(self._expr(value) if value is not None else None, Span(meta.line, meta.column))
+
+    def pass_stmt(self, meta, children):
+        return None
+
+    def break_stmt(self, meta, children):
+        return Break(Span(meta.line, meta.column))
+
+    def continue_stmt(self, meta, children):
+        return Continue(Span(meta.line, meta.column))
+
+    def suite(self, meta, children):
+        return tuple(c for c in children if c is not None)
+
+    def elif_clause(self, meta, children):
+        test, body = children
+        return ("elif", self._expr(test), body)
+
+    def else_clause(self, meta, children):
+        return ("else", children[0])
+
+    def if_stmt(self, meta, children):
+        test, body, *rest = children
+        branches = [(self._expr(test), body)]
+        orelse: tuple = ()
+        for r in rest:
+            if r is None:
+                continue
+            if r[0] == "elif":
+                branches.append((r[1], r[2]))
+            else:
+                orelse = r[1]
+        return If(tuple(branches), orelse, Span(meta.line, meta.column))
+
+    def for_stmt(self, meta, children):
+        target, iterable, body = children
+        ttext, tline, tcol = self._text(target)
+        tstmt = make_stmt(f"{ttext} = __lmq_item__", tline, tcol, self.src, ignore=frozenset({"__lmq_item__"}))
+        return For(tstmt, self._expr(iterable), body, Span(meta.line, meta.column))
+
+    # -- decoder and clauses --
+    def _decoder(self, head: Any, body_span: Span | None, meta: Any) -> Decoder:
+        """A decoder from the head statement of a decoder block (an Exec of `NAME` or `NAME(k=v, ...)`)."""
+        if not isinstance(head, Exec):
+            line, col = (body_span.line, body_span.column) if body_span else (meta.line, meta.column)
+            raise self.src.error("unexpected indent", line, col)
+        st = head.stmt
+        try:
+            node = ast.parse(st.source, mode="eval").body
+        except SyntaxError:
+            node = None
+        line, col = st.span.line, st.span.column
+        if isinstance(node, ast.Name):
+            return Decoder(node.id, {}, Span(line, col))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.args:
+                raise self.src.error("decoder arguments must be keyword arguments, e.g. sample(n=2)", line, col)
+            args: dict[str, Any] = {}
+            for kw in node.keywords:
+                if kw.arg is None:
+                    raise self.src.error("decoder arguments must be keyword arguments, e.g. sample(n=2)", line, col)
+                try:
+                    args[kw.arg] = _literal(kw.value)
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                    raise self.src.error(f"decoder argument {kw.arg!r} must be a Python literal", line, col) from None
+            return Decoder(node.func.id, args, Span(line, col))
+        if body_span is None:
+            raise self.src.error("invalid decoder", line, col)
+        raise self.src.error("unexpected indent (a decoder line such as `argmax` or `sample(n=2)` "
+                             "must come before an indented body)", body_span.line, body_span.column)
+
+    def decoder_block(self, meta, children):
+        head, *body = children
+        body = [b for b in body if b is not None]
+        first = next((getattr(b, "span", None) for b in body if getattr(b, "span", None)), None)
+        if first is None and body and isinstance(body[0], Exec):
+            first = body[0].stmt.span
+        return ("decoder", self._decoder(head, first, meta), tuple(body))
+
+    def from_clause(self, meta, children):
+        (strings,) = children
+        value = "".join(decode_string_token(t, self.src, allow_f=False)[0] for t in strings.children)
+        return ("from", value)
+
+    def where_clause(self, meta, children):
+        return ("where", [self._where(c) for c in children])
+
+    def distribution_clause(self, meta, children):
+        (test,) = children
+        py = _PyText(*self._text(test), self.src)
+        node = py.tree.body
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.In)
+                and isinstance(node.left, ast.Name)):
+            line, col = py.node_pos(node)
+            raise LMQCompileError(f"the distribution clause must have the form `VAR in <options>` "
+                                  f"(line {line}, column {col})")
+        b = _ConstraintBuilder(py, set())
+        return ("distribution", Distribution(node.left.id, b.expr(node.comparators[0]), Span(*py.node_pos(node))))
+
+    def start(self, meta, children):
+        decoder: Decoder | None = None
+        body: list[Stmt] = []
+        model = None
+        wheres: list[_PendingWhere] = []
+        dist = None
+        for c in children:
+            if c is None:
+                continue
+            if isinstance(c, tuple) and c and isinstance(c[0], str):
+                kind = c[0]
+                if kind == "decoder":
+                    if decoder is not None or body:
+                        span = c[1].span
+                        raise self.src.error("the decoder block must be the only top-level statement "
+                                             "before from/where/distribution", span.line, span.column)
+                    decoder = c[1]
+                    body.extend(c[2])
+                elif kind == "from":
+                    model = c[1]
+                elif kind == "where":
+                    wheres = c[1]
+                elif kind == "distribution":
+                    dist = c[1]
+                continue
+            if decoder is not None:
+                span = getattr(c, "span", None) or getattr(getattr(c, "stmt", None), "span", Span(0, 0))
+                raise self.src.error("statement after the indented query body", span.line, span.column)
+            body.append(c)
+        # lenient: a first top-level statement `argmax` / `sample(...)` / `beam(...)` with an unindented body
+        if decoder is None and body and isinstance(body[0], Exec):
+            try:
+                node = ast.parse(body[0].stmt.source, mode="eval").body
+            except SyntaxError:
+                node = None
+            fname = node.id if isinstance(node, ast.Name) else (
+                node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and not node.args else None)
+            if fname in _DECODERS_AT_TOP:
+                decoder = self._decoder(body[0], None, meta)
+                body = body[1:]
+        holes = set(self.holes)
+        body_t = self._resolve(tuple(body), holes)
+        where = _combine([_ConstraintBuilder(w.py, holes).convert(w.py.tree) for w in wheres])
+        return QueryAST(decoder or Decoder("argmax", {}, Span(1, 1)), body_t, model, where, dist, self.src.text)
+
+    def _resolve(self, body: tuple, holes: set[str]) -> tuple:
+        """Convert the pending inline wheres now that every hole of the query is known."""
+        out = []
+        for s in body:
+            if isinstance(s, Prompt) and id(s) in self.pending:
+                w = self.pending[id(s)]
+                s = replace(s, where=_ConstraintBuilder(w.py, holes).convert(w.py.tree))
+            elif isinstance(s, If):
+                s = replace(s, branches=tuple((t, self._resolve(b, holes)) for t, b in s.branches),
+                            orelse=self._resolve(s.orelse, holes))
+            elif isinstance(s, For):
+                s = replace(s, body=self._resolve(s.body, holes))
+            out.append(s)
+        return tuple(out)
