@@ -165,12 +165,9 @@ FAMILIES = {
     "a long option list": (lambda n: '"[X]" where X in [' + ", ".join(f'"o{i}"' for i in range(n)) + "]", 100),
     "many conjuncts": (lambda n: '"[X]" where ' + " and ".join(["len(X) < 5"] * n), 20),
 }
-QUADRATIC = {"many conjuncts"}  # ast.get_source_segment splits the whole source once per conjunct
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="front end work grows quadratically")) if f in QUADRATIC
-    else f for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_front_end_work_grows_linearly(family):
     """Doubling n multiplies the front end's work by no more than it multiplies the input's length."""
     make, n = FAMILIES[family]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from types import CodeType
 
@@ -11,13 +12,58 @@ from .ast import PyExpr, PyStmt, Span
 from .source import _Source
 
 
-def _line_col(text: str, lineno: int, byte_col: int) -> tuple[int, int]:
-    """ast (lineno 1-based, col_offset in UTF-8 bytes) -> (line 1-based, char column 0-based)."""
-    lines = text.split("\n")
-    if 1 <= lineno <= len(lines):
-        b = lines[lineno - 1].encode("utf-8")[:max(byte_col, 0)]
-        return lineno, len(b.decode("utf-8", "ignore"))
-    return lineno, max(byte_col, 0)
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
+
+
+class _Lines:
+    """A parsed text's lines, split once, each encoded to UTF-8 when first asked for: ast's positions
+    (1-based line, column in UTF-8 bytes) -> character columns and source segments, in time proportional
+    to the answer. (`ast.get_source_segment` splits and encodes the whole text on every call: a `where`
+    of n conjuncts was quadratic in n.)"""
+
+    def __init__(self, text: str):
+        parts = _LINE_END.split(text)    # where ast starts a new line: \r\n, \r or \n
+        self.lines, self.ends = parts[0::2], parts[1::2] + [""]
+        self._bytes: dict[int, bytes] = {}
+        self._chars: dict[int, list[int]] = {}  # non-ASCII lines: byte offset -> characters before it
+
+    def encoded(self, i: int) -> bytes:
+        b = self._bytes.get(i)
+        if b is None:
+            b = self._bytes[i] = self.lines[i].encode("utf-8")
+        return b
+
+    def char_col(self, lineno: int, byte_col: int) -> tuple[int, int]:
+        """(line 1-based, char column 0-based): the characters wholly inside the first byte_col bytes."""
+        byte_col = max(byte_col, 0)
+        if not 1 <= lineno <= len(self.lines):
+            return lineno, byte_col
+        b = self.encoded(lineno - 1)
+        byte_col = min(byte_col, len(b))
+        if len(b) == len(self.lines[lineno - 1]):
+            return lineno, byte_col
+        chars = self._chars.get(lineno - 1)
+        if chars is None:
+            chars, n = [0], 0
+            for ch in self.lines[lineno - 1]:
+                width = len(ch.encode("utf-8"))
+                chars.extend([n] * (width - 1))
+                n += 1
+                chars.append(n)
+            self._chars[lineno - 1] = chars
+        return lineno, chars[byte_col]
+
+    def segment(self, node: ast.AST) -> str:
+        """The source text of `node`, as `ast.get_source_segment(text, node) or ""` gives it."""
+        end_lineno, end_col = getattr(node, "end_lineno", None), getattr(node, "end_col_offset", None)
+        if end_lineno is None or end_col is None:
+            return ""
+        first, last = node.lineno - 1, end_lineno - 1
+        if first == last:
+            return self.encoded(first)[node.col_offset:end_col].decode()
+        middle = "".join(self.lines[i] + self.ends[i] for i in range(first + 1, last))
+        return (self.encoded(first)[node.col_offset:].decode() + self.ends[first] + middle
+                + self.encoded(last)[:end_col].decode())
 
 
 class _PyText:
@@ -28,6 +74,7 @@ class _PyText:
         self.wrapped = False
         self.parsed_text = text
         self.tree = self._parse()
+        self.lines = _Lines(self.parsed_text)
 
     def _parse(self) -> ast.AST:
         with warnings.catch_warnings():
@@ -56,7 +103,7 @@ class _PyText:
     def to_source(self, lineno: int, col: int, chars: bool = False) -> tuple[int, int]:
         """Position in the parsed text (ast lineno, col) -> (line, column) in the query, 1-based."""
         if not chars:
-            lineno, col = _line_col(self.parsed_text, lineno, col)
+            lineno, col = self.lines.char_col(lineno, col)
         if self.wrapped:
             lineno -= 1
         lineno = max(lineno, 1)
@@ -68,7 +115,7 @@ class _PyText:
         return self.to_source(getattr(node, "lineno", 1), getattr(node, "col_offset", 0))
 
     def segment(self, node: ast.AST) -> str:
-        return ast.get_source_segment(self.parsed_text, node) or ""
+        return self.lines.segment(node)
 
     def compile(self, tree: ast.AST | None = None) -> CodeType:
         with warnings.catch_warnings():
