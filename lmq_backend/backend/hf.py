@@ -24,6 +24,7 @@ from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
 from ..runtime.vocab import VocabIndex
 from .protocol import Backend, Sequence
+from .vocab_cache import vocab_index
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -106,7 +107,7 @@ class HFBackend(Backend):
         self.store.reclaim = lambda n: self.trie.evict(n * self.store.bytes_per_token)
         self.store.evictable = lambda: self.trie.evictable_bytes() // self.store.bytes_per_token
         self.scheduler = Scheduler(self.runner, self.store)
-        self._vocab = VocabIndex.for_tokenizer(tokenizer, size=self.runner.vocab_size)
+        self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
         self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
