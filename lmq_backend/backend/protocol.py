@@ -1,4 +1,5 @@
-"""The backend protocol: what the query runtime asks of a model, and the registry of named backends.
+"""The backend protocol: what the query runtime asks of a model (the registry of named backends is
+`registry.py`).
 
 The runtime builds a query's prompt as a `Sequence` of segments (template text, interpolated values,
 generated values). It calls, in order, `extend` for literal text, `generate` to fill a hole under a
@@ -11,8 +12,6 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
-
-from ..errors import LMQBackendError
 
 if TYPE_CHECKING:
     from ..cache.stats import CacheStats, StepInfo
@@ -81,32 +80,13 @@ class Backend(abc.ABC):
         """Call `callback(StepInfo)` after every model forward (None removes it); for live monitoring."""
 
 
-_REGISTRY: dict[str, Backend] = {}
-_FACTORIES: dict[str, Callable[[], Backend]] = {}
+# The registry of named backends lives in `registry.py`; these names are still found here (old import path).
+_REGISTRY_NAMES = frozenset({"register_backend", "get_backend", "_REGISTRY", "_FACTORIES"})
 
 
-def register_backend(name: str, backend: Backend | Callable[[], Backend]) -> None:
-    """Make `backend` available as `from "name"`; a callable is called on first use (lazy loading)."""
-    if isinstance(backend, Backend):
-        _REGISTRY[name] = backend
-    elif callable(backend):
-        _FACTORIES[name] = backend
-        _REGISTRY.pop(name, None)
-    else:
-        raise TypeError(f"register_backend expects a Backend or a factory, got {type(backend).__name__}")
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY_NAMES:
+        from . import registry
 
-
-def get_backend(name: str = "default") -> Backend:
-    """The backend behind a name: a registered name, "default" (the embedded model) or "hf:<dir>"."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _FACTORIES:
-        _REGISTRY[name] = _FACTORIES.pop(name)()
-        return _REGISTRY[name]
-    if name == "default" or name.startswith("hf:"):
-        from .hf import HFBackend
-
-        _REGISTRY[name] = HFBackend("default" if name == "default" else name[3:])
-        return _REGISTRY[name]
-    known = ", ".join(sorted({"default", *_REGISTRY, *_FACTORIES})) or "none"
-    raise LMQBackendError(f"unknown model {name!r}: registered backends are {known}; use 'hf:<dir>' for a local model folder")
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,8 @@ import textwrap
 import time
 from typing import Any, Callable, Iterable
 
-from ..backend.protocol import Backend, get_backend
+from ..backend.protocol import Backend
+from ..backend.registry import get_backend
 from ..errors import LMQCompileError, LMQInputError
 from ..language import ast, check_query, free_names, parse_query
 from .constraints import NOT_LITERAL, check_constraint
