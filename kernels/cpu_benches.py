@@ -59,7 +59,7 @@ def gemm(lmq, m: int, k: int, n: int):
 
 
 def rmsnorm(lmq, m: int, n: int):
-    """The step's RMSNorm of m rows of n (the engine's torch form: fused_decode._rmsnorm_torch)."""
+    """The step's RMSNorm of m rows of n (the engine's torch form: engine/fused/ops.py, _rmsnorm_torch)."""
     x, w, out = torch.randn(m, n), torch.randn(n), torch.empty(m, n)
 
     def torch_side():

@@ -231,7 +231,7 @@ def test_attention_declines(kernels):
 # ------------------------------------------------------------------------------------------------ small ops
 
 def test_rmsnorm_and_silu_mul_match_torch(kernels):
-    from lmq_backend.engine.fused.decoder import _rmsnorm_torch
+    from lmq_backend.engine.fused.ops import _rmsnorm_torch
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(5, 600, generator=g)[:, :576] * 3     # strided rows

@@ -51,15 +51,11 @@ at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from lmq_kernels import cpu, decode_attention
 
-from ...paths import cache_dir
 from ..attention import grouped_attention, model_attention
-from .weights import _Layer, _why_not, decoder_weights
+from .ops import LayerOps
 
 __all__ = ["FusedDecoder", "DevicePicks", "bucket_for"]
 
@@ -72,108 +68,7 @@ def bucket_for(n: int, max_batch: int) -> int:
     return min(b, max_batch)
 
 
-# ------------------------------------------------------------------------------------------------ kernels
-
-@triton.jit
-def _rmsnorm_kernel(X, W, Y, N, stride_x, stride_y, eps, BLOCK: tl.constexpr):
-    # one program per row: y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * w  (HF LlamaRMSNorm rounding)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(W + offs, mask=mask, other=0.0)
-    y = (x * rstd).to(W.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
-    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_kernel(GU, OUT, I, stride_gu, stride_out, BLOCK: tl.constexpr):
-    # grid (rows, cdiv(I, BLOCK)): out = silu(gate) * up, gu = [gate | up]
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # HF rounds silu(g) first
-    tl.store(OUT + row * stride_out + offs, (act * u).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every prefill length
-def _rope_append_kernel(
-    QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, TABLE, END, NROWS, T, N,
-    stride_qkv, stride_qo_b, stride_qo_h, stride_tb,
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr,
-):
-    # grid (cdiv(N, BLOCK_T), HQ + 2 HKV): program (i, h) takes head h of tokens r = i BLOCK_T .. + BLOCK_T
-    # of the QKV projection ([N, (HQ + 2 HKV) D]). Token r is new token t = r % T of batch row b = r // T;
-    # its K/V go to column c = END - (T - 1) + t (a decode step: T = 1, r = b, c = END) of the row's page
-    # table, i.e. to store slot s = TABLE[b, c]. Tokens with a negative position (a prefill's left padding)
-    # and rows b >= NROWS (a graph bucket's padding) write nothing to the cache.
-    #   h <  HQ          : q head -> (norm) -> rope -> Q_OUT[r, h]
-    #   h <  HQ + HKV    : k head -> (norm) -> rope -> K_CACHE[s, h - HQ]        (K_CACHE [slots, HKV, D])
-    #   else             : v head ->                   V_CACHE[s, h - HQ - HKV]
-    r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                  # [BLOCK_T] token rows
-    h = tl.program_id(1)
-    r64 = r.to(tl.int64)
-    b64 = r64 // T
-    offs = tl.arange(0, BLOCK_H)
-    inside = r < N
-    mask = inside[:, None] & (offs < HALF)[None, :]                        # [BLOCK_T, BLOCK_H]
-    src = QKV + r64[:, None] * stride_qkv + h * D + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = Q_OUT.dtype.element_ty
-    col = tl.load(END).to(tl.int64) - (T - 1) + r64 % T
-    pos = tl.load(POS + r, mask=inside, other=-1)
-    keep = inside & (b64 < tl.load(NROWS).to(tl.int64)) & (pos >= 0)
-    write = mask & keep[:, None]
-    slot = tl.load(TABLE + b64 * stride_tb + col, mask=keep, other=0).to(tl.int64)
-    if h >= HQ + HKV:
-        dst = V_CACHE + slot[:, None] * stride_vn + (h - HQ - HKV).to(tl.int64) * stride_vh + offs[None, :]
-        tl.store(dst, x1.to(dtype), mask=write)
-        tl.store(dst + HALF, x2.to(dtype), mask=write)
-    else:
-        if QK_NORM:
-            if h < HQ:
-                wp = QN_W
-            else:
-                wp = KN_W
-            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-            w1 = tl.load(wp + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
-            w2 = tl.load(wp + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
-            x1 = (x1 * rstd).to(dtype).to(tl.float32) * w1
-            x2 = (x2 * rstd).to(dtype).to(tl.float32) * w2
-            x1 = x1.to(dtype).to(tl.float32)
-            x2 = x2.to(dtype).to(tl.float32)
-        freq = pos.to(tl.float32)[:, None] * tl.load(INV_FREQ + offs, mask=offs < HALF, other=0.0)[None, :]
-        c = tl.cos(freq)
-        s = tl.sin(freq)
-        o1 = x1 * c - x2 * s
-        o2 = x2 * c + x1 * s
-        if h < HQ:
-            dst = Q_OUT + r64[:, None] * stride_qo_b + h * stride_qo_h + offs[None, :]
-            tl.store(dst, o1.to(dtype), mask=mask)
-            tl.store(dst + HALF, o2.to(dtype), mask=mask)
-        else:
-            dst = K_CACHE + slot[:, None] * stride_kn + (h - HQ).to(tl.int64) * stride_kh + offs[None, :]
-            tl.store(dst, o1.to(dtype), mask=write)
-            tl.store(dst + HALF, o2.to(dtype), mask=write)
-
-
-# --------------------------------------------------------------------------------------- torch fallbacks
-
-def _rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-
-class FusedDecoder:
+class FusedDecoder(LayerOps):
     """Single-token decode steps of a Llama-family HF model over a static KV pool (see the module docstring).
 
     `step` returns logits `[B, V]` in the model's dtype, a view of a static buffer that the next `step`
@@ -181,43 +76,9 @@ class FusedDecoder:
 
     def __init__(self, model, kv: torch.Tensor, table: torch.Tensor, max_batch: int, use_graphs: bool = True,
                  greedy_masks: list[torch.Tensor | None] | None = None):
-        why = _why_not(model, require_cuda=False)
-        if why is not None:
-            raise ValueError(f"FusedDecoder does not support this model: {why}")
-        cfg = model.config
-        self.model = model
-        self.device = kv.device
-        self.dtype = next(model.parameters()).dtype
-        assert kv.dtype == self.dtype, (kv.dtype, self.dtype)
-        L, two, _, h_kv, d = kv.shape        # the K/V store: [L, 2, slots, H_kv, D]
-        b_max, s_max = table.shape           # page tables: [rows, columns] -> slot
-        assert two == 2 and L == cfg.num_hidden_layers and kv.stride(-1) == 1
-        assert table.dtype == torch.int32 and table.device == kv.device and table.is_contiguous()
-        self.table = table
-        self.L, self.H_kv, self.S, self.D = L, h_kv, s_max, d
-        attn0 = model.model.layers[0].self_attn
-        self.Hq = cfg.num_attention_heads
-        assert attn0.head_dim == d and cfg.num_key_value_heads == h_kv
-        self.hidden = cfg.hidden_size
-        self.inter = model.model.layers[0].mlp.gate_proj.weight.shape[0]
-        self.max_batch = min(int(max_batch), b_max)
-        self.cuda = self.device.type == "cuda"
+        super().__init__(model, kv, table)
+        self.max_batch = min(int(max_batch), table.shape[0])
         self.use_graphs = bool(use_graphs) and self.cuda
-        # the small ops and attention as Triton kernels (on a CPU only under TRITON_INTERPRET=1, where the
-        # tests check them against the torch ops that serve the CPU otherwise)
-        self.triton = self.cuda
-        if not self.cuda:  # build (once per machine) or load the CPU kernels now, not in the first step
-            cpu.configure(cache_dir() / "kernels")
-            cpu.available()
-
-        w = decoder_weights(model)
-        self.embed, self.final_norm, self.final_eps, self.lm_head = w.embed, w.final_norm, w.final_eps, w.lm_head
-        self.vocab = self.lm_head.shape[0]
-        self.inv_freq = w.inv_freq.to(self.device)
-        self.layers = w.layers
-        self.k_cache = [kv[l, 0] for l in range(L)]          # [slots, H_kv, D] views
-        self.v_cache = [kv[l, 1] for l in range(L)]
-
         # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
         # to the device in one copy from a pinned host mirror (`step_host`)
         n, dev = self.max_batch, self.device
@@ -227,20 +88,20 @@ class FusedDecoder:
         self.tokens = self._inputs[:n]
         self.positions = self._inputs[n:2 * n]
         self.start = self._inputs[2 * n:3 * n]
-        self.start.fill_(s_max)
+        self.start.fill_(self.S)
         self.ahead = self._inputs[3 * n:4 * n]              # per row: the greedy mask its run-ahead token uses
         self.end = self._inputs[4 * n:4 * n + 1]            # column the new token goes to
         self.end1 = self._inputs[4 * n + 1:4 * n + 2]       # end + 1 (attention's exclusive end)
         self.nrows = self._inputs[4 * n + 2:]               # real rows (< bucket: padding)
         self._end_int, self._nrows_int, self._first_int = 0, 0, 0       # CPU steps read these
         # activations, sliced per bucket
-        qkv_n = (self.Hq + 2 * h_kv) * d
+        qkv_n = (self.Hq + 2 * self.H_kv) * self.D
         mk = lambda *shape: torch.zeros(*shape, dtype=self.dtype, device=dev)  # noqa: E731
         self.x = mk(n, self.hidden)           # residual stream
         self.h = mk(n, self.hidden)           # normed
         self.qkv = mk(n, qkv_n)
-        self.q = mk(n, self.Hq, d)
-        self.attn = mk(n, self.Hq, d)
+        self.q = mk(n, self.Hq, self.D)
+        self.attn = mk(n, self.Hq, self.D)
         self.gu = mk(n, 2 * self.inter)
         self.act = mk(n, self.inter)
         self.logits = mk(n, self.vocab)
@@ -259,89 +120,7 @@ class FusedDecoder:
             self.guess = torch.zeros(len(greedy_masks), n, dtype=torch.int64, device=dev)
             self._guess_host = torch.zeros(len(greedy_masks), n, dtype=torch.int64, pin_memory=True)
 
-    # ------------------------------------------------------------------------------------------ small ops
-    def _mm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
-            bias: torch.Tensor | None = None) -> None:
-        """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
-        small-M kernel (`lmq_kernels.cpu`: K-major weights at close to memory speed, each output one
-        FMA chain whatever the batch), one row or more than 8 through BLAS."""
-        if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
-            return
-        if accumulate:
-            out.addmm_(a, w.t())
-        elif bias is not None:
-            torch.addmm(bias, a, w.t(), out=out)
-        else:
-            torch.mm(a, w.t(), out=out)
-
-    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-        if self.triton:
-            rows, n = x.shape
-            _rmsnorm_kernel[(rows,)](x, w, out, n, x.stride(0), out.stride(0), eps,
-                                     BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
-        elif not cpu.rmsnorm(x, w, eps, out):
-            out.copy_(_rmsnorm_torch(x, w, eps))
-
-    def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
-        if self.triton:
-            rows, i = out.shape
-            block = 1024
-            _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0),
-                                                             BLOCK=block, num_warps=4)
-        elif not cpu.silu_mul(gu, out):
-            i = out.shape[1]
-            out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
-
-    def _rope_append(self, lw: _Layer, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
-                     rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor, slot: int = 0) -> None:
-        """q = rope(qnorm(q)) of every token of `qkv` ([rows x tokens, (Hq + 2 Hkv) D], row-major tokens);
-        each token's rope(knorm(k)) and v go to the store: token t of row b to the slot of column
-        end - (tokens - 1) + t in table row `slot` + b, except tokens at negative positions (padding) and
-        rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
-        kc, vc, table = self.k_cache[l], self.v_cache[l], self.table[slot:]
-        if self.triton:
-            d = self.D
-            n = rows * tokens
-            block_t = 1 if tokens == 1 else 16  # a decode step: a program per row and head, as many as can be
-            _rope_append_kernel[(triton.cdiv(n, block_t), self.Hq + 2 * self.H_kv)](
-                qkv, positions, self.inv_freq,
-                lw.q_norm if lw.q_norm is not None else self.inv_freq,
-                lw.k_norm if lw.k_norm is not None else self.inv_freq,
-                q, kc, vc, table, end, nrows, tokens, n,
-                qkv.stride(0), q.stride(0), q.stride(1), table.stride(0),
-                kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                lw.qk_eps,
-                HQ=self.Hq, HKV=self.H_kv, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
-                BLOCK_T=block_t, QK_NORM=lw.q_norm is not None, num_warps=1 if block_t == 1 else 4,
-            )
-            return
-        last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
-        if cpu.rope_append(qkv, self._cos, self._sin, positions, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc,
-                           table, tokens, last - 1, n):
-            return
-        hq, hkv, d = self.Hq, self.H_kv, self.D
-        qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)                    # q and k heads, one RoPE
-        vh = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-        if lw.q_norm is not None:
-            qk = torch.cat([_rmsnorm_torch(qk[:, :hq], lw.q_norm, lw.qk_eps),
-                            _rmsnorm_torch(qk[:, hq:], lw.k_norm, lw.qk_eps)], dim=1)
-        cos = torch.cat((self._cos, self._cos), dim=-1)[:, None]               # [N, 1, D]
-        signed_sin = torch.cat((-self._sin, self._sin), dim=-1)[:, None]
-        qkf = qk.float()
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]
-        roped = (qkf * cos + torch.roll(qkf, d // 2, dims=-1) * signed_sin).to(self.dtype)
-        q.copy_(roped[:, :hq])
-        k, v = roped[:, hq:].view(rows, tokens, hkv, d), vh.view(rows, tokens, hkv, d)
-        slots = table[:n, last - tokens:last].long()                           # [n, tokens]
-        write = positions[: n * tokens].view(n, tokens) >= 0                    # left padding writes nothing
-        kc[slots[write]] = k[:n][write]
-        vc[slots[write]] = v[:n][write]
-
-    def _set_rope(self, positions: torch.Tensor) -> None:
-        """RoPE's cos and sin [N, D/2] for the tokens at `positions` (every layer of a CPU forward shares them)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None]
-        self._cos, self._sin = freqs.cos(), freqs.sin()
-
+    # ------------------------------------------------------------------------------------------ CPU steps
     def _cpu_step_setup(self, bp: int) -> None:
         """What every layer of a CPU step shares: RoPE's cos/sin and the padding mask (None without padding)."""
         self._set_rope(self.positions[:bp])

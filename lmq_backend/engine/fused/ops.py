@@ -1,0 +1,149 @@
+"""The ops of the fused layer loop (`LayerOps`), shared by the decode step and the prefill: RMSNorm, the
+GEMMs, RoPE + K/V append into the store and SiLU-and-multiply, on the device's kernels.
+
+On a GPU they are Triton kernels (`kernels.py`) and cuBLAS GEMMs. On a CPU they are lmq's C kernels
+(`lmq_kernels.cpu`: the small ops and the GEMMs of 2-8 rows), or torch ops where the library cannot be
+built, over the model's own weights stored K-major (see `weights.py`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from lmq_kernels import cpu
+
+from ...paths import cache_dir
+from .kernels import _rmsnorm_kernel, _rope_append_kernel, _silu_mul_kernel
+from .weights import _Layer, _why_not, decoder_weights
+
+
+def _rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class LayerOps:
+    """A Llama-family model's weights (`decoder_weights`) and K/V store, and the ops of its layer loop.
+
+    kv: the store, [L, 2, slots, H_kv, D]; table: int32 [rows, columns], the rows' page tables (column ->
+    store slot), on the store's device."""
+
+    def __init__(self, model, kv: torch.Tensor, table: torch.Tensor):
+        why = _why_not(model, require_cuda=False)
+        if why is not None:
+            raise ValueError(f"FusedDecoder does not support this model: {why}")
+        cfg = model.config
+        self.model = model
+        self.device = kv.device
+        self.dtype = next(model.parameters()).dtype
+        assert kv.dtype == self.dtype, (kv.dtype, self.dtype)
+        L, two, _, h_kv, d = kv.shape        # the K/V store: [L, 2, slots, H_kv, D]
+        _, s_max = table.shape               # page tables: [rows, columns] -> slot
+        assert two == 2 and L == cfg.num_hidden_layers and kv.stride(-1) == 1
+        assert table.dtype == torch.int32 and table.device == kv.device and table.is_contiguous()
+        self.table = table
+        self.L, self.H_kv, self.S, self.D = L, h_kv, s_max, d
+        attn0 = model.model.layers[0].self_attn
+        self.Hq = cfg.num_attention_heads
+        assert attn0.head_dim == d and cfg.num_key_value_heads == h_kv
+        self.hidden = cfg.hidden_size
+        self.inter = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.cuda = self.device.type == "cuda"
+        # the small ops and attention as Triton kernels (on a CPU only under TRITON_INTERPRET=1, where the
+        # tests check them against the torch ops that serve the CPU otherwise)
+        self.triton = self.cuda
+        if not self.cuda:  # build (once per machine) or load the CPU kernels now, not in the first step
+            cpu.configure(cache_dir() / "kernels")
+            cpu.available()
+
+        w = decoder_weights(model)
+        self.embed, self.final_norm, self.final_eps, self.lm_head = w.embed, w.final_norm, w.final_eps, w.lm_head
+        self.vocab = self.lm_head.shape[0]
+        self.inv_freq = w.inv_freq.to(self.device)
+        self.layers = w.layers
+        self.k_cache = [kv[l, 0] for l in range(L)]          # [slots, H_kv, D] views
+        self.v_cache = [kv[l, 1] for l in range(L)]
+
+    def _mm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+            bias: torch.Tensor | None = None) -> None:
+        """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
+        small-M kernel (`lmq_kernels.cpu`: K-major weights at close to memory speed, each output one
+        FMA chain whatever the batch), one row or more than 8 through BLAS."""
+        if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
+            return
+        if accumulate:
+            out.addmm_(a, w.t())
+        elif bias is not None:
+            torch.addmm(bias, a, w.t(), out=out)
+        else:
+            torch.mm(a, w.t(), out=out)
+
+    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        if self.triton:
+            rows, n = x.shape
+            _rmsnorm_kernel[(rows,)](x, w, out, n, x.stride(0), out.stride(0), eps,
+                                     BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+        elif not cpu.rmsnorm(x, w, eps, out):
+            out.copy_(_rmsnorm_torch(x, w, eps))
+
+    def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
+        if self.triton:
+            rows, i = out.shape
+            block = 1024
+            _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0),
+                                                             BLOCK=block, num_warps=4)
+        elif not cpu.silu_mul(gu, out):
+            i = out.shape[1]
+            out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
+
+    def _rope_append(self, lw: _Layer, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
+                     rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor, slot: int = 0) -> None:
+        """q = rope(qnorm(q)) of every token of `qkv` ([rows x tokens, (Hq + 2 Hkv) D], row-major tokens);
+        each token's rope(knorm(k)) and v go to the store: token t of row b to the slot of column
+        end - (tokens - 1) + t in table row `slot` + b, except tokens at negative positions (padding) and
+        rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
+        kc, vc, table = self.k_cache[l], self.v_cache[l], self.table[slot:]
+        if self.triton:
+            d = self.D
+            n = rows * tokens
+            block_t = 1 if tokens == 1 else 16  # a decode step: a program per row and head, as many as can be
+            _rope_append_kernel[(triton.cdiv(n, block_t), self.Hq + 2 * self.H_kv)](
+                qkv, positions, self.inv_freq,
+                lw.q_norm if lw.q_norm is not None else self.inv_freq,
+                lw.k_norm if lw.k_norm is not None else self.inv_freq,
+                q, kc, vc, table, end, nrows, tokens, n,
+                qkv.stride(0), q.stride(0), q.stride(1), table.stride(0),
+                kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                lw.qk_eps,
+                HQ=self.Hq, HKV=self.H_kv, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
+                BLOCK_T=block_t, QK_NORM=lw.q_norm is not None, num_warps=1 if block_t == 1 else 4,
+            )
+            return
+        last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
+        if cpu.rope_append(qkv, self._cos, self._sin, positions, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc,
+                           table, tokens, last - 1, n):
+            return
+        hq, hkv, d = self.Hq, self.H_kv, self.D
+        qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)                    # q and k heads, one RoPE
+        vh = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+        if lw.q_norm is not None:
+            qk = torch.cat([_rmsnorm_torch(qk[:, :hq], lw.q_norm, lw.qk_eps),
+                            _rmsnorm_torch(qk[:, hq:], lw.k_norm, lw.qk_eps)], dim=1)
+        cos = torch.cat((self._cos, self._cos), dim=-1)[:, None]               # [N, 1, D]
+        signed_sin = torch.cat((-self._sin, self._sin), dim=-1)[:, None]
+        qkf = qk.float()
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]
+        roped = (qkf * cos + torch.roll(qkf, d // 2, dims=-1) * signed_sin).to(self.dtype)
+        q.copy_(roped[:, :hq])
+        k, v = roped[:, hq:].view(rows, tokens, hkv, d), vh.view(rows, tokens, hkv, d)
+        slots = table[:n, last - tokens:last].long()                           # [n, tokens]
+        write = positions[: n * tokens].view(n, tokens) >= 0                    # left padding writes nothing
+        kc[slots[write]] = k[:n][write]
+        vc[slots[write]] = v[:n][write]
+
+    def _set_rope(self, positions: torch.Tensor) -> None:
+        """RoPE's cos and sin [N, D/2] for the tokens at `positions` (every layer of a CPU forward shares them)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None]
+        self._cos, self._sin = freqs.cos(), freqs.sin()
