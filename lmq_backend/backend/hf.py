@@ -19,7 +19,7 @@ import torch
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.runner import ModelRunner, PrefillRow
-from ..engine.scheduler import Row, Scheduler
+from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
 from ..runtime.vocab import VocabIndex
@@ -162,7 +162,10 @@ class HFBackend(Backend):
                     pick = self._extendable_on_device if allowed is None else torch.from_numpy(extendable)
                 greedy = self._greedy_mask(pick) if type(sampler) is Greedy else None
                 if logits is None:  # feed the last picked token only now that another pick is needed
-                    logits = await self.scheduler.decode(row, generated[-1], ahead=greedy)
+                    try:
+                        logits = await self.scheduler.decode(row, generated[-1], ahead=greedy)
+                    except Preempted:  # out of the batch to free slots: prefill the tokens so far again
+                        logits, row = await self.scheduler.prefill(_Prefill(self, seq, generated), first=True)
                     self._count_decoded(seq)
                 token = row.device_pick(greedy) if greedy is not None else None
                 if token is None:
@@ -272,8 +275,11 @@ class HFBackend(Backend):
 class _Prefill:
     """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
 
-    def __init__(self, backend: HFBackend, seq: Sequence):
-        ids = seq.ids
+    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = ()):
+        """`resume`: tokens generated after `seq.ids` by a row that was preempted; they are prefilled too,
+        but only the prompt's new part is stored in the trie (as when the row first ran)."""
+        ids = seq.ids + list(resume) if resume else seq.ids
+        self.prompt_len = len(seq.ids)
         if not ids:
             raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
         backend._check_length(seq, len(ids))
@@ -291,4 +297,5 @@ class _Prefill:
         b = self.backend
         for t in (b._totals, b._template(self.seq)):
             t.record_prefill(len(self.ids), self.cached)
-        b._insert(self.seq, self.node, self.ids[self.cached:], row, self.cached)
+        if self.cached < self.prompt_len:
+            b._insert(self.seq, self.node, self.ids[self.cached:self.prompt_len], row, self.cached)

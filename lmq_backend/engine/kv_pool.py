@@ -92,6 +92,11 @@ class KVPool:
         self._mark(0, self.rows, self.ahead, hi)
         self.ahead = hi
 
+    def reserve_need(self, columns: int):
+        """`need(rows)`: the slots `reserve(columns)` would take from the store for that many rows."""
+        width = max(self.end + columns - self.ahead, 0)
+        return lambda rows: rows * width
+
     # ----- rows -------------------------------------------------------------------------------------
 
     def add_rows(self, lengths: list[int]) -> list[int]:

@@ -15,7 +15,10 @@ prefix is held back a round, so the shared part is computed once and then found 
 admitted while the decode batch has seats (`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows to grow
 (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
 out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
-does not fit waits for running rows to leave.
+does not fit waits for running rows to leave. When the running rows' next decode columns need more slots
+than the store can give, the rows that joined last are preempted (vLLM's recompute preemption): they
+leave the batch, their queries get `Preempted` and prefill their tokens again, from the trie where it
+still holds them, and go on.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ AHEAD = 2               # columns every running row holds slots for: this step's
 DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
 
 
+class Preempted(Exception):
+    """The row was taken out of the running batch to free K/V slots for older rows: prefill its tokens
+    again and go on (`HFBackend.generate` does)."""
+
+
 class PrefillRequest(Protocol):
     """What a backend hands the scheduler for one prefill. Both methods run inside a scheduler step."""
 
@@ -53,6 +61,7 @@ class Row:
     """A sequence in the running batch; `slot` is its row in the pool and may change between steps."""
 
     slot: int
+    joined: int = 0       # order of joining the batch: the latest rows are preempted first
     live: bool = True
     # After a decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the row's logits under
     # the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`); else None.
@@ -91,13 +100,17 @@ class Scheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._bound: asyncio.AbstractEventLoop | None = None
+        self._joined = 0
+        self.preemptions = 0
 
     # ----- the queries' side ----------------------------------------------------------------------------
 
-    async def prefill(self, request: PrefillRequest) -> tuple[torch.Tensor, Row]:
+    async def prefill(self, request: PrefillRequest, first: bool = False) -> tuple[torch.Tensor, Row]:
+        """The logits after the request's tokens, and its row in the running batch. `first`: queue it
+        ahead of the others (a preempted row resuming)."""
         loop = self._loop()
         future = loop.create_future()
-        self.waiting.append(_Waiting(request, future))
+        self.waiting.insert(0 if first else len(self.waiting), _Waiting(request, future))
         self._wake.set()
         try:
             return await future
@@ -265,7 +278,8 @@ class Scheduler:
             return
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
-        rows = [Row(slot=slot) for slot in slots]
+        rows = [Row(slot=slot, joined=self._joined + i) for i, slot in enumerate(slots)]
+        self._joined += len(rows)
         self.rows.extend(rows)
         for row in rows:  # the runner may give the new rows their slots in another order
             self.rows[row.slot] = row
@@ -284,9 +298,10 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         started = time.perf_counter()
+        self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
+        self._preempt(self.pool.reserve_need(AHEAD))
         tokens = [self.decodes[id(row)][0] for row in self.rows]
         ahead = [self.decodes[id(row)][1] for row in self.rows]
-        self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(self.rows)), tokens, ahead)
         picks = self.runner.picks
@@ -298,6 +313,22 @@ class Scheduler:
             row.device_picks = None if picks is None else (picks, i)
             if not future.done():
                 future.set_result(row_logits)
+
+    def _preempt(self, need) -> None:
+        """Preempt the latest rows until the store can give the others `need(rows)` slots for their next
+        columns (evicting unpinned trie leaves counts). A row alone that does not fit fails."""
+        while need(len(self.rows)) > self.store.available():
+            if len(self.rows) == 1:
+                raise LMQBackendError(
+                    f"out of K/V slots: one query alone needs more than the KV budget holds "
+                    f"({self.store.capacity - 1} slots); raise kv_budget=")
+            victim = max(self.rows, key=lambda r: r.joined)
+            _, _, future = self.decodes[id(victim)]
+            if not future.done():
+                future.set_exception(Preempted())
+            self.preemptions += 1
+            self.release(victim)
+            self._compact()
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None) -> torch.Tensor:
         try:

@@ -1,0 +1,122 @@
+"""A soak of the paged engine (issue: paged radix KV): 2,000 queries with random arrivals, cancellations
+and invalid queries mixed in, under a K/V budget tight enough to force trie eviction, queued prefills and
+preempted decode rows. Every valid query must give the result it gives alone with the cache off; the
+store's and the trie's invariants hold at every step; at the end nothing is pinned and every slot is free
+or the trie's."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import lmq_backend as lmq
+from lmq_backend.backend.hf import HFBackend
+from lmq_backend.cache.kv_store import token_bytes
+
+SRC = '''
+"Soak test: shared instructions that every call repeats, long enough to be worth caching in the trie."
+"{x}[A]" where len(TOKENS(A)) < n
+if A.startswith(" "):
+    " then[B]" where B in [" yes", " no", " maybe not"]
+else:
+    " else[B]" where STOPS_AT(B, "e") and len(TOKENS(B)) < 4
+'''
+DISTINCT = 24
+
+
+def inputs(i: int) -> dict:
+    """Prompts of 1 to ~70 own tokens, holes of 3 to 40 tokens."""
+    return {"x": f" item {i}," * (3 * (i % 8)) + ("é" if i % 3 == 0 else ""), "n": 4 + (i * 7) % 37}
+
+
+def check(backend: HFBackend) -> None:
+    pool = backend.scheduler.pool
+    backend.trie.check()
+    backend.store.check(backend.trie.node_slots(), [pool.row_slots(s) for s in range(pool.rows)])
+
+
+async def test_soak_2000_queries_tight_kv_budget(tokenizer, tiny_models):
+    model = tiny_models["llama"]
+    alone = HFBackend.from_model(model, tokenizer, cache_budget=0, name="alone")
+    q_alone = lmq.Query(SRC, model=alone)
+    expected = [(await q_alone.run(inputs(i))).variables for i in range(DISTINCT)]
+
+    per_token = token_bytes(2, 2, 16, model.dtype)
+    # ~25 rows' worth of slots: far fewer than the 256 seats the batch offers
+    backend = HFBackend.from_model(model, tokenizer, cache_budget=300 * per_token, name="soak",
+                                   kv_budget=2500 * per_token)
+    steps = []
+
+    def on_step(info):
+        steps.append(info)
+        if len(steps) % 7 == 0:
+            check(backend)
+
+    backend.on_step(on_step)
+    q = lmq.Query(SRC, model=backend)
+    invalid_runtime = lmq.compile('"Soak test: shared.[A]" where A in options', model=backend)
+    too_long = lmq.compile('argmax(max_len=8)\n"{x}[A]" where len(TOKENS(A)) < 4', model=backend)
+    rng = random.Random(11)
+    n = 2000
+
+    async def one(i: int):
+        for _ in range(rng.randint(0, 40)):
+            await asyncio.sleep(0)
+        if i % 53 == 7:
+            return await invalid_runtime(options=[])          # an empty choice: fails at run time
+        if i % 61 == 9:
+            return await too_long(x="far too long a prompt for max_len " * 3)
+        return (await q.run(inputs(i % DISTINCT))).variables
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    cancel = set(rng.sample(range(n), 200))
+    for _ in range(300):
+        await asyncio.sleep(0)
+        for i in list(cancel):
+            if rng.random() < 0.02:
+                tasks[i].cancel()
+                cancel.discard(i)
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+
+    finished = 0
+    for i, r in enumerate(done):
+        if isinstance(r, asyncio.CancelledError):
+            continue
+        if i % 53 == 7 or i % 61 == 9:
+            assert isinstance(r, lmq.LMQError), (i, r)
+        else:
+            assert r == expected[i % DISTINCT], (i, r)
+            finished += 1
+    assert finished > 1500
+    # the budget forced every mechanism: eviction, preemption, rows waiting for slots
+    assert backend.stats().evictions > 0
+    assert backend.scheduler.preemptions > 0
+    assert max(s.batch_size for s in steps if s.kind == "decode") > 8
+    # nothing left behind: no pins, no rows, every slot free or the trie's
+    check(backend)
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    trie_slots = sum(len(s) for s in backend.trie.node_slots())
+    assert backend.store.used_slots == trie_slots
+
+
+async def test_decode_rows_preempted_for_slots_resume_exactly(tokenizer, tiny_models):
+    """Rows admitted while slots last outgrow the store as they decode: the latest rows are preempted,
+    prefill their tokens again later and finish with the tokens they give alone."""
+    model = tiny_models["llama"]
+    src = '"Preemption: a prompt of some length, item {i}.[A]" where len(TOKENS(A)) < 60'
+    alone = lmq.compile(src, model=HFBackend.from_model(model, tokenizer, cache_budget=0, name="alone"))
+    expected = [(await alone(i=i)).variables for i in range(10)]
+    per_token = token_bytes(2, 2, 16, model.dtype)
+    backend = HFBackend.from_model(model, tokenizer, cache_budget=0, name="tight", kv_budget=400 * per_token)
+    steps = []
+
+    def on_step(info):
+        steps.append(info)
+        check(backend)
+
+    backend.on_step(on_step)
+    q = lmq.compile(src, model=backend)
+    assert [r.variables for r in await asyncio.gather(*(q(i=i) for i in range(10)))] == expected
+    assert backend.scheduler.preemptions > 0
+    assert max(s.batch_size for s in steps if s.kind == "decode") > 2
+    check(backend)
+    assert backend.store.used_slots == 0 and backend.scheduler.pool.rows == 0
