@@ -1,5 +1,14 @@
-"""The fused decode step of Llama-family models: see `decoder.py`."""
-from .decoder import DevicePicks, FusedDecoder, bucket_for
+"""The fused decode step and prefill of Llama-family models over the paged K/V store.
+
+    weights.py   which models it runs (`supports`), their weights laid out for it (`decoder_weights`)
+    kernels.py   the Triton kernels: RMSNorm, SiLU-and-multiply, RoPE + K/V append into the store
+    ops.py       `LayerOps`: the layer loop's ops on the device's kernels (Triton, lmq's C kernels, torch)
+    prefill.py   `Prefill`: the layer loop over many new tokens per row
+    graphs.py    `GraphSteps`: CUDA-graph capture per batch bucket, greedy picks on the device, run-ahead
+    decoder.py   `FusedDecoder`: the decode step (static buffers, the per-step entry points, CPU attention)
+"""
+from .decoder import FusedDecoder
+from .graphs import DevicePicks, bucket_for
 from .weights import decoder_weights, supports
 
 __all__ = ["supports", "FusedDecoder", "DevicePicks", "bucket_for", "decoder_weights"]

@@ -26,25 +26,15 @@ GEMMs take ~0.8 ms of it (~3.1 TB/s: the large ones near peak, qkv/o_proj latenc
 attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms.  Padding rows (b >= B, up to the bucket) have `start = S_max` (no valid
 column: the attention kernel returns zeros for them) and write nothing into the pool.
 
-CUDA graphs: all activations live in buffers allocated once at `max_batch` rows and sliced per bucket; the
-inputs (`tokens`, `positions`, `start`, `end`, the real row count) live in static device tensors, so a graph
-captured once per bucket replays for every step.  The first step of a bucket warms up (Triton JIT, the
-attention kernel's ticket buffer) and captures; warm-up runs write the same K/V at the same column as the
-real step, so they are harmless.
-
-Prefill (`FusedDecoder.prefill`, the engine's choice on a GPU): the same layer loop over the T new tokens of
-B left-padded rows at once, [B T, ...] activations allocated per call, the RoPE/append kernel writing token t
-of row b to column end - T + t (padding tokens, at position -1, write nothing), attention by
-`grouped_attention` over the rows' pool columns [first, end) (flash attention with a lower-right causal bias;
-a boolean mask only when rows differ in length), final norm and LM head for the last token of each row.
-Eager: every prefill has new shapes. Measured inside a query on an H200, Llama-3.2-1B shape, 2,046 new
-tokens: ~10 ms (184 launches, 8.3 ms of GPU work) where the model's forward takes 15-31 ms (700 launches,
-11.9 ms of GPU work, the rest waiting on Python).
+On a GPU the step is captured in a CUDA graph per bucket of batch sizes and can pick greedily and run the
+next step ahead on the device (`graphs.py`); the same layer loop prefills many tokens per row (`prefill.py`).
+The weights are laid out once per model (`weights.py`), the ops run on Triton kernels (`kernels.py`) or lmq's
+C kernels (`ops.py`).
 
 On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small
 ops, the GEMMs of 2-8 rows and the attention of 2 rows or more (torch ops where the library cannot be
 built), and torch's grouped-query attention over the pool's columns [min(start), end] read in place for one
-row (`attention.py`); the weights are the model's own, stored K-major (see `_Layer`). There it replaces
+row (`attention.py`); the weights are the model's own, stored K-major (see `weights.py`). There it replaces
 Hugging Face's forward for decode steps too (SmolLM2-135M, 500-token context, 2 cores: 39 vs 47 ms a step
 at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
 """
@@ -54,21 +44,14 @@ import torch
 
 from lmq_kernels import cpu, decode_attention
 
-from ..attention import grouped_attention, model_attention
-from .ops import LayerOps
+from ..attention import grouped_attention
+from .graphs import DevicePicks, GraphSteps, bucket_for
+from .prefill import Prefill
 
-__all__ = ["FusedDecoder", "DevicePicks", "bucket_for"]
-
-
-def bucket_for(n: int, max_batch: int) -> int:
-    """Smallest power of two >= n, capped at max_batch."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max_batch)
+__all__ = ["FusedDecoder"]
 
 
-class FusedDecoder(LayerOps):
+class FusedDecoder(GraphSteps, Prefill):
     """Single-token decode steps of a Llama-family HF model over a static KV pool (see the module docstring).
 
     `step` returns logits `[B, V]` in the model's dtype, a view of a static buffer that the next `step`
@@ -173,101 +156,6 @@ class FusedDecoder(LayerOps):
         if self.masks is not None:
             self._pick_and_advance(bp)
 
-    # ------------------------------------------------------------------------------------------ prefill
-    @torch.inference_mode()
-    def prefill(self, rows: list[tuple[list[int], int]], slot: int, end: int) -> torch.Tensor:
-        """The forward of several new tokens per row, the step's layer loop over all of them at once.
-
-        `rows`: per row (new token ids, cached count), in pool slots slot, slot + 1, ...: row b's cached K/V
-        are in columns [end - n_b, end - m_b) (n_b = cached + m_b new tokens); its new tokens go to
-        [end - m_b, end), left-padded to the longest new part. Each op runs once per layer over all the
-        tokens (Llama-3.2-1B: ~10 launches a layer, where Hugging Face's forward makes ~45 and a 2k-token
-        prefill on an H200 waits on the host for ~half its time); attention is `grouped_attention` over
-        the pool's columns in place, masked only where rows differ in length. No CUDA graph (every call has
-        new shapes). Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
-        B, T = len(rows), max(len(ids) for ids, _ in rows)
-        if not all(ids for ids, _ in rows) or slot + B > self.table.shape[0] or not T <= end <= self.S:
-            raise ValueError(f"prefill of {B} rows x {T} tokens at slot {slot}, end {end} does not fit the pool")
-        N, dev = B * T, self.device
-        # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1, B
-        host = torch.full((2 * N + B + 2,), -1, dtype=torch.int32)
-        ids_h, pos_h = host[:N].view(B, T), host[N:2 * N].view(B, T)
-        starts = []
-        for b, (ids, cached) in enumerate(rows):
-            m = len(ids)
-            ids_h[b, T - m:] = torch.tensor(ids, dtype=torch.int32)
-            ids_h[b, :T - m] = 0
-            pos_h[b, T - m:] = torch.arange(cached, cached + m, dtype=torch.int32)
-            starts.append(end - cached - m)
-        host[2 * N:2 * N + B] = torch.tensor(starts, dtype=torch.int32)
-        host[2 * N + B:] = torch.tensor([end - 1, B], dtype=torch.int32)
-        inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
-        ids_d, pos_d, starts_d = inputs[:N], inputs[N:2 * N], inputs[2 * N:2 * N + B]
-        end_d, nrows_d = inputs[2 * N + B:2 * N + B + 1], inputs[2 * N + B + 1:]
-        first = min(starts)
-        allowed = None  # every row as long as the others: causal attention of the T tokens ending at `end`
-        if any(s != first for s in starts):
-            cols = torch.arange(first, end, device=dev)
-            allowed = ((cols[None, None] >= starts_d[:, None, None])
-                       & (cols[None, None] <= torch.arange(end - T, end, device=dev)[None, :, None]))[:, None]
-        hq, d = self.Hq, self.D
-        x = self.embed.index_select(0, ids_d)                                   # [N, hidden] residual stream
-        h = torch.empty_like(x)
-        qkv = x.new_empty(N, (hq + 2 * self.H_kv) * d)
-        q = x.new_empty(N, hq, d)
-        gu, act = x.new_empty(N, 2 * self.inter), x.new_empty(N, self.inter)
-        if not self.triton:
-            self._set_rope(pos_d)
-        cols = self.table[slot:slot + B, first:end].long()                     # [B, S] store slots
-        with model_attention(dev):
-            for l, lw in enumerate(self.layers):
-                self._rmsnorm(x, lw.in_norm, lw.eps, h)
-                self._mm(h, lw.wqkv, qkv, bias=lw.bqkv)
-                self._rope_append(lw, l, qkv, q, pos_d, B, T, end_d, nrows_d, slot)
-                k = self.k_cache[l][cols].transpose(1, 2)                       # [B, H_kv, S, D], gathered
-                v = self.v_cache[l][cols].transpose(1, 2)
-                a, _ = grouped_attention(None, q.view(B, T, hq, d).transpose(1, 2), k, v, allowed, lw.scaling)
-                self._mm(a.reshape(N, hq * d), lw.wo, x, accumulate=True)       # x += attn @ Wo^T
-                self._rmsnorm(x, lw.post_norm, lw.eps, h)
-                self._mm(h, lw.wgu, gu)
-                self._silu_mul(gu, act)
-                self._mm(act, lw.wdown, x, accumulate=True)                     # x += mlp @ Wdown^T
-        last = x.view(B, T, -1)[:, -1]
-        h_last = torch.empty_like(last)
-        self._rmsnorm(last, self.final_norm, self.final_eps, h_last)
-        logits = x.new_empty(B, self.vocab)
-        self._mm(h_last, self.lm_head, logits)
-        return logits
-
-    def _pick_and_advance(self, bp: int) -> None:
-        """Greedy picks under each mask (what `Greedy.select` would pick: the first maximal logit), and, in
-        a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
-        position and one column further (a run-ahead replays the same graph on them)."""
-        logits = self.logits[:bp]
-        picks = torch.where(self.masks[:, None], logits[None], float("-inf")).argmax(-1)  # [K, bp]
-        self.guess[:, :bp].copy_(picks)
-        if self.use_graphs:
-            self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
-            self.positions[:bp].add_(1)
-            self.end.add_(1)
-            self.end1.add_(1)
-
-    def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
-        inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # JIT + ticket buffer; rewrites the same K/V at the same column
-                self._forward(bp)
-                self._inputs.copy_(inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._forward(bp)
-        return graph
-
     def _check(self, B: int, end: int) -> int:
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"batch {B} outside [1, {self.max_batch}]")
@@ -344,74 +232,3 @@ class FusedDecoder(LayerOps):
             graph.replay()
         self._copy_picks(B)
         return self.logits[:B]
-
-    def _copy_picks(self, B: int) -> None:
-        if self.masks is not None:
-            self._guess_host.copy_(self.guess, non_blocking=True)
-            self.picks = DevicePicks(self._guess_host, B)
-
-    # ------------------------------------------------------------------------------------- running ahead
-    def run_ahead(self) -> bool:
-        """Launch the next step now, on the tokens this step picked on the device, while the host picks and
-        checks its own (call it after taking what you need of this step's logits: the run-ahead step
-        overwrites them). The next `step_host` takes the run-ahead step's result instead of running the
-        step again when everything it depends on is what the run-ahead assumed: the same `key` (the
-        caller's name for the pool's rows and contents), starts, end + 1, `ahead` masks, and as tokens
-        the device's picks; any other call discards it. Steps are deterministic, so a taken run-ahead
-        step is the step itself, bit for bit. Only for CUDA-graph steps with greedy masks; returns
-        whether it launched."""
-        if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
-            return False
-        self.graphs[bucket_for(self._nrows_int, self.max_batch)].replay()
-        self._end_int += 1
-        self._ahead_key = (self._last, self._end_int, self.picks, self._ahead_used)
-        self.ran_ahead += 1
-        return True
-
-    def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
-        """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
-        anything else is queued.)"""
-        key, self._ahead_key = self._ahead_key, None
-        if key is None or key[:2] != (last, end) or key[2].tokens(key[3]) != tokens:
-            return False
-        self._copy_picks(len(tokens))
-        self.took_ahead += 1
-        return True
-
-    def _set_ahead(self, ahead: tuple[int, ...]) -> None:
-        n, B = self.max_batch, len(ahead)
-        if self._host_free is not None:
-            self._host_free.synchronize()
-        self._host[3 * n:3 * n + B] = torch.tensor(ahead, dtype=torch.int32)
-        self.ahead[:B].copy_(self._host[3 * n:3 * n + B], non_blocking=True)
-        if self._host_free is not None:
-            self._host_free.record()
-        self._ahead_used = ahead
-
-
-class DevicePicks:
-    """One step's greedy picks, per mask and row, on their way to the host (read them before the next
-    step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
-    queued after it."""
-
-    def __init__(self, host: torch.Tensor, rows: int):
-        self._host, self.rows = host, rows
-        self._event = torch.cuda.Event()
-        self._event.record()
-        self._ready = False
-
-    def _wait(self) -> None:
-        if not self._ready:
-            self._event.synchronize()
-            self._ready = True
-
-    def __call__(self, mask: int, row: int) -> int:
-        """The greedy pick of `row` under mask number `mask`."""
-        self._wait()
-        return int(self._host[mask, row])
-
-    def tokens(self, ahead: tuple[int, ...]) -> list[int]:
-        """Each row's pick under its own mask (the tokens a run-ahead step ran on)."""
-        self._wait()
-        h = self._host.numpy()
-        return [int(h[k, b]) for b, k in enumerate(ahead)]

@@ -1,0 +1,125 @@
+"""CUDA-graph captured decode steps, greedy picks on the device and running a step ahead (`GraphSteps`, a
+mixin of `FusedDecoder`).
+
+All activations live in buffers allocated once at `max_batch` rows and sliced per bucket (`bucket_for`); the
+inputs (`tokens`, `positions`, `start`, `end`, the real row count) live in static device tensors, so a graph
+captured once per bucket replays for every step. The first step of a bucket warms up (Triton JIT, the
+attention kernel's ticket buffer) and captures; warm-up runs write the same K/V at the same column as the
+real step, so they are harmless.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    """Smallest power of two >= n, capped at max_batch."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_batch)
+
+
+class GraphSteps:
+    """`FusedDecoder`'s steps under CUDA graphs: capture per bucket, the greedy picks under each mask on the
+    device (`DevicePicks`), and `run_ahead`. Reads the decoder's static buffers and step state."""
+
+    def _pick_and_advance(self, bp: int) -> None:
+        """Greedy picks under each mask (what `Greedy.select` would pick: the first maximal logit), and, in
+        a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
+        position and one column further (a run-ahead replays the same graph on them)."""
+        logits = self.logits[:bp]
+        picks = torch.where(self.masks[:, None], logits[None], float("-inf")).argmax(-1)  # [K, bp]
+        self.guess[:, :bp].copy_(picks)
+        if self.use_graphs:
+            self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
+            self.positions[:bp].add_(1)
+            self.end.add_(1)
+            self.end1.add_(1)
+
+    def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
+        inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # JIT + ticket buffer; rewrites the same K/V at the same column
+                self._forward(bp)
+                self._inputs.copy_(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._forward(bp)
+        return graph
+
+    def _copy_picks(self, B: int) -> None:
+        if self.masks is not None:
+            self._guess_host.copy_(self.guess, non_blocking=True)
+            self.picks = DevicePicks(self._guess_host, B)
+
+    # ------------------------------------------------------------------------------------- running ahead
+    def run_ahead(self) -> bool:
+        """Launch the next step now, on the tokens this step picked on the device, while the host picks and
+        checks its own (call it after taking what you need of this step's logits: the run-ahead step
+        overwrites them). The next `step_host` takes the run-ahead step's result instead of running the
+        step again when everything it depends on is what the run-ahead assumed: the same `key` (the
+        caller's name for the pool's rows and contents), starts, end + 1, `ahead` masks, and as tokens
+        the device's picks; any other call discards it. Steps are deterministic, so a taken run-ahead
+        step is the step itself, bit for bit. Only for CUDA-graph steps with greedy masks; returns
+        whether it launched."""
+        if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
+            return False
+        self.graphs[bucket_for(self._nrows_int, self.max_batch)].replay()
+        self._end_int += 1
+        self._ahead_key = (self._last, self._end_int, self.picks, self._ahead_used)
+        self.ran_ahead += 1
+        return True
+
+    def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
+        """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
+        anything else is queued.)"""
+        key, self._ahead_key = self._ahead_key, None
+        if key is None or key[:2] != (last, end) or key[2].tokens(key[3]) != tokens:
+            return False
+        self._copy_picks(len(tokens))
+        self.took_ahead += 1
+        return True
+
+    def _set_ahead(self, ahead: tuple[int, ...]) -> None:
+        n, B = self.max_batch, len(ahead)
+        if self._host_free is not None:
+            self._host_free.synchronize()
+        self._host[3 * n:3 * n + B] = torch.tensor(ahead, dtype=torch.int32)
+        self.ahead[:B].copy_(self._host[3 * n:3 * n + B], non_blocking=True)
+        if self._host_free is not None:
+            self._host_free.record()
+        self._ahead_used = ahead
+
+
+class DevicePicks:
+    """One step's greedy picks, per mask and row, on their way to the host (read them before the next
+    step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
+    queued after it."""
+
+    def __init__(self, host: torch.Tensor, rows: int):
+        self._host, self.rows = host, rows
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._ready = False
+
+    def _wait(self) -> None:
+        if not self._ready:
+            self._event.synchronize()
+            self._ready = True
+
+    def __call__(self, mask: int, row: int) -> int:
+        """The greedy pick of `row` under mask number `mask`."""
+        self._wait()
+        return int(self._host[mask, row])
+
+    def tokens(self, ahead: tuple[int, ...]) -> list[int]:
+        """Each row's pick under its own mask (the tokens a run-ahead step ran on)."""
+        self._wait()
+        h = self._host.numpy()
+        return [int(h[k, b]) for b, k in enumerate(ahead)]
