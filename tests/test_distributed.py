@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -67,11 +68,29 @@ def folder(tmp_path_factory):
     return path
 
 
+# Ray gives its raylet 30 s to see its agents start and register: a busy 2-core machine may need longer
+PATIENT_RAY = {"RAY_agent_register_timeout_ms": "180000", "RAY_worker_register_timeout_seconds": "180"}
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=6, include_dashboard=False, object_store_memory=150 * 2**20, log_to_driver=False)
+    saved = {k: os.environ.get(k) for k in PATIENT_RAY}
+    os.environ.update(PATIENT_RAY)
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=6, include_dashboard=False, object_store_memory=150 * 2**20, log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     yield
     ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +146,7 @@ async def test_batch_jobs_keep_input_order_over_lists_files_and_datasets(cluster
 
     pq.write_table(pa.Table.from_pylist(inputs), tmp_path / "inputs.parquet")
     assert [answer(r) for r in await cluster.map_dataset(CLASSIFY, tmp_path / "inputs.parquet")] == want
-    dataset = ray.data.from_items(inputs).repartition(4)
+    dataset = ray.data.from_items(inputs)
     assert [answer(r) for r in await cluster.bind(CLASSIFY).map_dataset(dataset)] == want
 
 

@@ -3,6 +3,7 @@ inputs of such a job read from a Ray Dataset, a JSONL file or a Parquet file."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,19 +61,21 @@ def _plain(value: Any) -> Any:
 
 
 def read_rows(source) -> list[dict]:
-    """The rows of a Ray Dataset, or of a `.jsonl`/`.json`/`.parquet` file read with Ray Data, in order;
-    a list or other iterable of dicts is taken as it is."""
+    """The rows of a Ray Dataset (in order), of a `.jsonl` file (one JSON object a line, blank lines
+    skipped) or of a `.parquet` file (one column per input); a list or other iterable of dicts is taken as
+    it is. Files are read here, in this process: a job's inputs are small next to its outputs' compute."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.suffix.lower() == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        raise ValueError(f"cannot read {path}: give a .jsonl or .parquet file, or a Ray Dataset")
     import ray.data
 
-    if isinstance(source, (str, Path)):
-        path = str(source)
-        suffix = Path(path).suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            source = ray.data.read_json(path, lines=True) if suffix == ".jsonl" else ray.data.read_json(path)
-        elif suffix == ".parquet":
-            source = ray.data.read_parquet(path)
-        else:
-            raise ValueError(f"cannot read {path}: give a .jsonl, .json or .parquet file, or a Ray Dataset")
     if isinstance(source, ray.data.Dataset):
         ctx = ray.data.DataContext.get_current()
         keep, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True

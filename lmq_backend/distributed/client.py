@@ -82,8 +82,8 @@ class ClusterClient(abc.ABC):
         return [value for _, value in outcomes]
 
     async def map_dataset(self, query, source, **kwargs) -> list:
-        """`map` over a Ray Dataset, a JSONL file (`.jsonl`/`.json`, one object of inputs a line) or a
-        Parquet file (one column per input), read with Ray Data in row order."""
+        """`map` over the rows of a Ray Dataset, a JSONL file (one object of inputs a line) or a Parquet
+        file (one column per input), in row order."""
         from .batch import read_rows
 
         return await self.map(query, read_rows(source), **kwargs)
