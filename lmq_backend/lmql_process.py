@@ -130,6 +130,10 @@ class ModelProcess:
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 class ProcessHandle:
