@@ -247,6 +247,43 @@ def test_cpu_strided_pool_view():
     assert torch.isnan(big[:, :, 4:]).all()
 
 
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_weights_loaded_after_the_layout_reach_every_step(device, assign):
+    """`load_state_dict` into a model the fused step has laid out reaches the steps of a decoder built (and,
+    on a GPU, captured) before it and of one built after, and the model's own forward: the fused step's
+    copies (q/k/v biases, a tied LM head on the CPU, the q/k/v and gate/up concatenations on a GPU) follow,
+    and so do its K-major matrices on the CPU when the load replaces the parameters (`assign=True`)."""
+    def qwen2():  # q/k/v biases, a tied LM head, head_dim 64
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        return Qwen2ForCausalLM(cfg).to(device).eval()
+
+    model, reference = qwen2(), qwen2()
+    pool = make_pool(model, 4, 48)
+    end = max(map(len, PROMPTS)) + 3
+    start, last = prefill_into_pool(model, PROMPTS, pool, end)
+    tokens, positions = last.argmax(-1), torch.tensor([len(p) for p in PROMPTS], device=device)
+    before = FusedDecoder(model, *paged_view(pool), max_batch=4)
+    before.step(tokens, positions, start, end)  # on a GPU: captures its graph
+
+    noise = torch.Generator().manual_seed(1)
+    state = {k: v + torch.randn(v.shape, generator=noise).to(v) * (v.std() + 0.1)
+             for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for m in (model, reference):
+        m.load_state_dict({k: v.clone() for k, v in state.items()}, assign=assign)
+    ids = torch.tensor([PROMPTS[0]], device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    start, last = prefill_into_pool(reference, PROMPTS, pool, end)
+    want = HFPadded(reference, pool, start, end).step(tokens, positions).float()
+    after = FusedDecoder(model, *paged_view(pool), max_batch=4)
+    for decoder in (before, after):
+        torch.testing.assert_close(decoder.step(tokens, positions, start, end).float(), want, atol=1e-4, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 def llama_1b_shaped(layers=16, dtype=torch.bfloat16, vocab=128256):

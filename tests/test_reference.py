@@ -122,11 +122,6 @@ async def test_wrapping_a_model_leaves_the_users_calls_unchanged(zoo, family, tm
         assert torch.allclose(loaded(ids).logits, want[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine bug: on the CPU the fused decode step keeps its own copies of a Llama-family model's q/k/v biases "
-    "(concatenated) and of a tied LM head (K-major), made once per model (fused_decode.decoder_weights, "
-    "memoized); weights loaded into the wrapped model later reach its prefills (the model's forward) but not "
-    "its decode steps, even in a new backend"))
 @pytest.mark.parametrize("family,key", [("qwen2", "q_proj.bias"), ("qwen3", "embed_tokens.weight")])
 async def test_weights_loaded_after_wrapping_reach_every_forward(zoo, family, key):
     """A user loads new weights (`load_state_dict`) into a model lmq already wrapped, then queries it through

@@ -65,19 +65,45 @@ def supports(model, *, require_cuda: bool = True) -> bool:
     return _why_not(model, require_cuda) is None
 
 
-def _k_major(w: torch.Tensor) -> torch.Tensor:
-    """The same [N, K] matrix stored K-major (column-major): `x @ w.t()` then reads a row-major [K, N]
-    operand, which the CPU's BLAS multiplies 1.2-1.6x faster than [N, K] at 8-21 rows (SmolLM2 shapes)."""
-    return w.t().contiguous().t()
+def _k_major(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """An [N, K] matrix stored K-major (column-major): `x @ w.t()` then reads a row-major [K, N] operand,
+    which the CPU's BLAS multiplies 1.2-1.6x faster than [N, K] at 8-21 rows (SmolLM2 shapes)."""
+    return torch.empty(shape[::-1], dtype=like.dtype, device=like.device).t()
 
 
-def _repoint(module, weight: torch.Tensor) -> None:
-    """Make `weight` (a K-major view) the module's weight. Its `state_dict` keeps giving a contiguous copy,
-    so that saving the model (`save_pretrained`, safetensors) works as before."""
-    module.weight.data = weight
-    if not getattr(module, "_lmq_contiguous_state", False):
-        module.register_state_dict_post_hook(_contiguous_weight_state)
-        module._lmq_contiguous_state = True
+# ---------------------------------------------------------------------------------- keeping the layout
+
+def _bind(dest: torch.Tensor, module, name: str = "weight", *, share: bool, also=()) -> torch.Tensor:
+    """Make `dest` (a laid-out tensor, or a view of one) hold `module.<name>`, now and after every
+    `load_state_dict` that reaches `module` or a module in `also` (their load post-hooks place it again).
+    `share`: `dest` becomes the parameter's storage, so that every write to the parameter reaches the fused
+    step; else `dest` is a copy, which only a load refreshes. Returns `dest`."""
+    _place(dest, module, name, share)
+    for m in (module, *also):
+        if "_lmq_bindings" not in vars(m):
+            m._lmq_bindings = []
+            m.register_load_state_dict_post_hook(_place_again)
+        m._lmq_bindings.append((dest, module, name, share))
+    return dest
+
+
+def _place(dest: torch.Tensor, module, name: str, share: bool) -> None:
+    param = getattr(module, name)
+    if param.data_ptr() == dest.data_ptr() and param.stride() == dest.stride():
+        return  # the parameter is `dest`: a load wrote into it
+    dest.copy_(param)  # a copy, or a parameter a load replaced (`assign=True`)
+    if share:
+        param.data = dest
+        if not dest.is_contiguous() and not getattr(module, "_lmq_contiguous_state", False):
+            # its `state_dict` keeps giving a contiguous copy: saving the model (safetensors) works as before
+            module.register_state_dict_post_hook(_contiguous_weight_state)
+            module._lmq_contiguous_state = True
+
+
+def _place_again(module, incompatible_keys) -> None:
+    with torch.no_grad():
+        for dest, source, name, share in module._lmq_bindings:
+            _place(dest, source, name, share)
 
 
 def _contiguous_weight_state(module, state_dict, prefix, local_metadata) -> None:
@@ -86,69 +112,80 @@ def _contiguous_weight_state(module, state_dict, prefix, local_metadata) -> None
         state_dict[key] = state_dict[key].contiguous()
 
 
+def _share(module, k_major: bool = False) -> torch.Tensor:
+    """The module's weight as the fused step reads it: the parameter's own storage (`k_major`: moved to a
+    K-major buffer, which the parameter then views)."""
+    w = module.weight
+    return _bind(_k_major(w.shape, w) if k_major else w.detach(), module, share=True)
+
+
+def _stacked(modules, k_major: bool, name: str = "weight") -> torch.Tensor:
+    """The modules' `name` parameters (weights [N_i, K], or biases [N_i]: zeros where one has none)
+    concatenated along N; K-major weights are the modules' own (they view it), everything else a copy."""
+    rows = [m.weight.shape[0] for m in modules]
+    param = next(getattr(m, name) for m in modules if getattr(m, name) is not None)
+    shape = (sum(rows), *param.shape[1:])
+    out = _k_major(shape, param) if k_major else param.new_empty(shape)
+    out.zero_()
+    row = 0
+    for m, n in zip(modules, rows):
+        if getattr(m, name) is not None:
+            _bind(out[row:row + n], m, name, share=k_major)
+        row += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the layout
+
 class _Layer:
     """One decoder layer's weights, as the fused step uses them.
 
     On the GPU the concatenated projections are copies. On the CPU they are stored K-major and the model's
     own Linear modules are re-pointed to views of them: one copy of the weights in memory, and the model's
-    forward (prefills) reads the faster layout too."""
+    forward (prefills) reads the faster layout too. The q/k/v biases are concatenated copies."""
 
     def __init__(self, layer, k_major: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
-        with torch.no_grad():
-            self.in_norm = layer.input_layernorm.weight
-            self.post_norm = layer.post_attention_layernorm.weight
-            self.eps = float(layer.input_layernorm.variance_epsilon)
-            qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-            if k_major:
-                self.wqkv = _k_major(torch.cat([m.weight for m in qkv]))  # [(Hq + 2 H_kv) D, hidden]
-                self.wgu = _k_major(torch.cat([m.weight for m in gu]))    # [2 I, hidden]
-                self.wo, self.wdown = _k_major(attn.o_proj.weight), _k_major(mlp.down_proj.weight)
-                for modules, stored in ((qkv, self.wqkv), (gu, self.wgu)):
-                    row = 0
-                    for m in modules:
-                        n = m.weight.shape[0]
-                        _repoint(m, stored[row:row + n])
-                        row += n
-                _repoint(attn.o_proj, self.wo)
-                _repoint(mlp.down_proj, self.wdown)
-            else:
-                self.wqkv = torch.cat([m.weight for m in qkv]).contiguous()
-                self.wgu = torch.cat([m.weight for m in gu]).contiguous()
-                self.wo = attn.o_proj.weight                      # [hidden, Hq D]
-                self.wdown = mlp.down_proj.weight                 # [hidden, I]
-            biases = [m.bias for m in qkv]
-            if any(b is not None for b in biases):
-                self.bqkv = torch.cat([b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype,
-                                                                              device=m.weight.device)
-                                       for b, m in zip(biases, qkv)])
-            else:
-                self.bqkv = None
-            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            self.q_norm = qn.weight if qn is not None else None
-            self.k_norm = kn.weight if kn is not None else None
-            self.qk_eps = float(qn.variance_epsilon) if qn is not None else 1e-6
-            self.scaling = float(attn.scaling)
+        self.in_norm = _share(layer.input_layernorm)
+        self.post_norm = _share(layer.post_attention_layernorm)
+        self.eps = float(layer.input_layernorm.variance_epsilon)
+        qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        self.wqkv = _stacked(qkv, k_major)                  # [(Hq + 2 H_kv) D, hidden]
+        self.wgu = _stacked(gu, k_major)                    # [2 I, hidden]
+        self.wo = _share(attn.o_proj, k_major)              # [hidden, Hq D]
+        self.wdown = _share(mlp.down_proj, k_major)         # [hidden, I]
+        self.bqkv = _stacked(qkv, False, "bias") if any(m.bias is not None for m in qkv) else None
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = _share(qn) if qn is not None else None
+        self.k_norm = _share(kn) if kn is not None else None
+        self.qk_eps = float(qn.variance_epsilon) if qn is not None else 1e-6
+        self.scaling = float(attn.scaling)
 
 
 class _Weights:
     """A model's weights as the fused step reads them, built once per model (a decoder is rebuilt whenever
-    a growable CPU pool is reallocated)."""
+    a growable CPU pool is reallocated). Weights loaded into the model later (`load_state_dict`) reach them
+    in place: the tensors, and the CUDA graphs captured on them, stay valid."""
 
     def __init__(self, model):
         k_major = next(model.parameters()).device.type == "cpu"
-        self.layers = [_Layer(layer, k_major) for layer in model.model.layers]
-        self.embed = model.model.embed_tokens.weight         # [V, hidden]
-        self.final_norm = model.model.norm.weight
+        for m in model.modules():  # a copy of a laid-out model (deepcopy) comes with the original's bindings
+            if "_lmq_bindings" in vars(m):
+                m._lmq_bindings.clear()
+        with torch.inference_mode(False), torch.no_grad():  # loads write into these tensors outside inference mode
+            self.layers = [_Layer(layer, k_major) for layer in model.model.layers]
+            embed = model.model.embed_tokens
+            self.embed = _share(embed)                      # [V, hidden]
+            self.final_norm = _share(model.model.norm)
+            head = model.lm_head
+            tied = head.weight.data_ptr() == embed.weight.data_ptr()
+            if not k_major:
+                self.lm_head = self.embed if tied else _share(head)
+            elif not tied:
+                self.lm_head = _share(head, k_major=True)
+            else:  # a K-major copy of our own: the embedding's row lookups need its rows contiguous
+                self.lm_head = _bind(_k_major(embed.weight.shape, embed.weight), embed, share=False, also=(head,))
         self.final_eps = float(model.model.norm.variance_epsilon)
-        lm_head = model.lm_head.weight                       # [V, hidden] (tied: the embedding itself)
-        if k_major:
-            with torch.no_grad():
-                tied = lm_head.data_ptr() == self.embed.data_ptr()
-                lm_head = _k_major(lm_head)
-                if not tied:  # tied: the K-major copy stays ours, the embedding's row lookups need rows contiguous
-                    _repoint(model.lm_head, lm_head)
-        self.lm_head = lm_head
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
 
 
@@ -157,7 +194,9 @@ _WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def decoder_weights(model) -> _Weights:
     """The model's weights laid out for the fused step (once per model; on the CPU this re-points the model's
-    own Linear weights, see `_Layer`)."""
+    own Linear weights, see `_Layer`). They follow the model's `load_state_dict`; other writes to its weights
+    reach the fused step where it shares the parameters' storage (everything but the concatenated copies:
+    q/k/v and gate/up on a GPU, q/k/v biases, a tied LM head on the CPU)."""
     w = _WEIGHTS.get(model)
     if w is None:
         w = _WEIGHTS[model] = _Weights(model)
