@@ -40,8 +40,10 @@ def _patch_tokenizer(module) -> None:
 
 
 def _patch_registry(module) -> None:
-    from .lmql_plugin import LMQModel  # (imports nothing heavy)
-
+    try:
+        from .lmql_plugin import LMQModel  # (imports nothing heavy)
+    except ImportError:  # the plugin is importing LMQL itself: its own install() registers it when done
+        return
     module.LMTPModel.registry["lmq"] = LMQModel
 
 
