@@ -56,6 +56,7 @@ def _import_engine():
 
 
 compat, fused = _import_engine()
+paged_view = importlib.import_module("lmq_backend.engine.kv_pool").paged_view
 FusedDecoder = fused.FusedDecoder
 
 SHAPES = {
