@@ -1,9 +1,11 @@
 """Fused single-token decode step for the Llama family (issue #5), gpt-fast style, CUDA-graph friendly.
 
 One call of `FusedDecoder.step` runs one new token per row of a left-padded batch whose K/V live in the
-static KV pool (see `kv_pool.py`, `lmq_kernels.decode_attention`):
+backend's store, read through the rows' page tables (`kv_pool.py`, `cache/kv_store.py`,
+`lmq_kernels.decode_attention`):
 
-    pool: [L, 2, B_max, H_kv, S_max, D]      rows are pool[:, :, :B]; row b's valid columns [start[b], end)
+    store: [L, 2, slots, H_kv, D]      table: int32 [rows, S_max], column -> store slot
+    rows are table[:B]; row b's valid columns [start[b], end); "pool[l,0,b,:,c]" below is store[l, 0, table[b, c]]
 
 Per step:
     x = embed(tokens)                                     [Bp, hidden]          (Bp = B padded to a bucket)
@@ -23,8 +25,9 @@ Per step:
 That is 9 launches per layer (cuBLAS adds a split-K reduce to some GEMMs).  Measured on an H200, bf16, 2k
 context, Llama-3.2-1B shape: 1.12 ms per step at batch 1, 1.38 ms at batch 16 (floor 0.59 / 0.83 ms); the
 GEMMs take ~0.8 ms of it (~3.1 TB/s: the large ones near peak, qkv/o_proj latency-bound at ~5-6 us each),
-attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms.  Padding rows (b >= B, up to the bucket) have `start = S_max` (no valid
-column: the attention kernel returns zeros for them) and write nothing into the pool.
+attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms. Padding rows (b >= B, up
+to the bucket) have `start = S_max` (no valid column: the attention kernel returns zeros for them) and write
+nothing into the pool.
 
 On a GPU the step is captured in a CUDA graph per bucket of batch sizes and can pick greedily and run the
 next step ahead on the device (`graphs.py`); the same layer loop prefills many tokens per row (`prefill.py`).
