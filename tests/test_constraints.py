@@ -266,6 +266,21 @@ def test_choice_many_options(vocab):
         assert text in words
 
 
+def test_a_long_option_list_is_compiled_once(vocab):
+    """A list of more than 64 options keeps its compiled node among the last LONG_CHOICES lists (a data
+    set's labels, the same on every call): the same node for the same options, a new one once pushed out."""
+    from lmq_backend.runtime.constraints.compiler import LONG_CHOICES
+
+    lists = [[f"label {k} {i}" for i in range(100)] for k in range(LONG_CHOICES + 1)]
+    first = compiled(choice(lists[0]), vocab).node
+    assert compiled(choice(list(lists[0])), vocab).node is first
+    for options in lists[1:]:
+        assert compiled(choice(options), vocab).node is not first
+    assert compiled(choice(lists[0]), vocab).node is not first
+    for text, state, _ in run_many(choice(lists[0]), vocab, n=10, end_prob=0.5):
+        assert text in lists[0]
+
+
 # ----- INT -----------------------------------------------------------------------------------------------
 
 def test_int(vocab):

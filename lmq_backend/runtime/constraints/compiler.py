@@ -1,6 +1,7 @@
 """The compiler: a hole's constraint AST -> a `HoleConstraint` (a tree of mask nodes plus stop rules)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 from ...errors import (
@@ -19,6 +20,9 @@ from .masks import _ChoiceNode, _ContainsNode, _IntNode, _LenNode, _NotContainsN
 from .nodes import _AndNode, _FreeNode, _Node, _NotNode, _OrNode
 from .selection import _conjuncts, _span
 from .stops import _StopString
+
+LONG_CHOICES = 8
+"""How many option lists of more than 64 options keep their compiled choice node (per vocabulary)."""
 
 
 def _push_not(c: ast.Constraint, negate: bool = False) -> ast.Constraint:
@@ -118,10 +122,22 @@ class _Compiler:
         return out
 
     def choice(self, options: list[str]) -> _Node:
+        """The choice node of `options`, shared by the calls that give the same options (its byte trie and
+        masks are built once): lists of up to 64 options are kept on the vocabulary index, longer ones
+        among the last `LONG_CHOICES` (a long list is typically a data set's labels, the same every call)."""
         vocab = self.vocab
+        key = tuple(options)
         if len(options) <= 64:
-            return vocab.memo(("choice", tuple(options)), lambda: _ChoiceNode(options, vocab))
-        return _ChoiceNode(options, vocab)
+            return vocab.memo(("choice", key), lambda: _ChoiceNode(options, vocab))
+        recent: OrderedDict[tuple[str, ...], _ChoiceNode] = vocab.memo("choice-long", OrderedDict)
+        node = recent.get(key)
+        if node is None:
+            node = recent[key] = _ChoiceNode(options, vocab)
+            if len(recent) > LONG_CHOICES:
+                recent.popitem(last=False)
+        else:
+            recent.move_to_end(key)
+        return node
 
     def node(self, c: ast.Constraint) -> _Node:
         vocab = self.vocab
