@@ -95,11 +95,13 @@ def test_a_shipped_query_keeps_only_what_it_reads():
     assert set(q.scope) <= CLASSIFY._needs and "random" not in q.scope
 
 
-def test_chunks_group_inputs_by_prefix():
-    texts = [f"shots{i % 3} review {i}" for i in range(30)]
-    chunks = chunk_order(texts, 5)
-    assert sorted(i for c in chunks for i in c) == list(range(30))
-    assert all(len({texts[i][:6] for i in c}) == 1 for c in chunks)
+def test_chunks_group_inputs_by_prefix_and_end_where_a_prefix_ends():
+    shots = ["A long shared few-shot prefix number %d. " % k * 3 for k in range(3)]
+    texts = [f"{shots[i % 3]}review {i}" for i in range(31)]  # 11, 10 and 10 calls per prefix
+    chunks = chunk_order(texts, 4)
+    assert sorted(i for c in chunks for i in c) == list(range(31))
+    assert all(len(c) <= 4 and len({i % 3 for i in c}) == 1 for c in chunks)  # one prefix per chunk
+    assert len(chunks) == 3 + 3 + 3  # 11 -> 4+4+3, 10 -> 4+4+2, 10 -> 4+4+2
 
 
 def test_sum_stats_adds_counters_gauges_and_templates():

@@ -8,15 +8,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .prefix_tree import common_prefix_length
 from .replica import Outcome
 
 
-def chunk_order(texts: list[str], chunk_size: int) -> list[list[int]]:
+def chunk_order(texts: list[str], chunk_size: int, share: float = 0.5) -> list[list[int]]:
     """Input indices cut into chunks of at most `chunk_size`, after sorting by prompt text, so that inputs
-    whose prompts share a prefix sit in the same chunks (and chunks of one prefix follow each other)."""
+    whose prompts share a prefix sit in the same chunks (and chunks of one prefix follow each other). A
+    chunk also ends where a text shares less than `share` of itself with the one before (a new prefix): a
+    chunk is routed as one call, by its first text."""
     order = sorted(range(len(texts)), key=texts.__getitem__)
     size = max(1, chunk_size)
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and len(chunks[-1]) < size:
+            before, text = texts[chunks[-1][-1]], texts[i]
+            if common_prefix_length(before, text) >= share * len(text):
+                chunks[-1].append(i)
+                continue
+        chunks.append([i])
+    return chunks
 
 
 async def run_batch(client, key: str, box: list, texts: list[str], inputs: list[dict], *, chunk_size: int,
