@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .prefix_encode import PrefixEncoder
+
 __all__ = ["VocabIndex", "bytes_to_unicode"]
 
 
@@ -173,9 +175,14 @@ class VocabIndex:
         self._cache: dict[Any, Any] = {}  # per-vocabulary memo for the constraint runtime
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
+        self._prefix_encoder: PrefixEncoder | None | bool = None  # built on first use (see prefix_encode.py)
         self._encode_cached = lru_cache(maxsize=8192)(self._encode_tuple)
 
     def _encode_tuple(self, text: str) -> tuple[int, ...]:
+        if self._prefix_encoder is None:
+            self._prefix_encoder = PrefixEncoder.for_tokenizer(self.tokenizer, self.n_bytes) or False
+        if self._prefix_encoder:
+            return tuple(self._prefix_encoder.encode(text))
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
