@@ -67,7 +67,11 @@ class Cluster(ClusterClient):
     def _lose(self, rid: int, error: Exception) -> None:
         if rid not in self.handles:
             return  # another call saw the loss first
-        del self.handles[rid]
+        handle = self.handles.pop(rid)
+        try:  # an unreachable (not dead) actor must not come back as a replica nobody routes to
+            _ray().kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
         self.router.remove(rid)
         self.lost.append(f"replica {rid}: {type(error).__name__}: {error}")
         if self.respawns_left > 0:
