@@ -121,6 +121,8 @@ def on_cluster(inputs: list[dict], replicas: int, cores: int, overhead: bool):
         per = [f"{s.calls} calls {100 * s.token_hit_rate:.1f}%" for s in stats.values()]
         c = cluster.router.counts
         routes = f"prefix {c.prefix}, smallest tree {c.smallest_tree}, least loaded {c.least_loaded}"
+        if cluster.lost:
+            routes += f"; {cluster.retries} calls run again after: {'; '.join(cluster.lost)}"
         return seconds, total.token_hit_rate, [r.variables["CLS"] for r in results], per, routes, costs
     finally:
         cluster.shutdown()
