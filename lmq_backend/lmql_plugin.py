@@ -13,7 +13,9 @@ teach LMQL lmq's tokenizers and model processes (`lmql_hook.py`); importing this
 Where the model runs:
   - default `local:` mode: one model process per SPEC (`lmql_process.py`), shared by every
     `lmql.model("local:lmq:SPEC", ...)` handle of this interpreter; a failure there (a bad folder, an
-    exception while loading or serving, the process dying) is raised to the LMQL caller.
+    exception while loading or serving, the process dying) is raised to the LMQL caller. (A name
+    registered with `lmq.register_backend` in this interpreter runs in LMQL's forked process instead,
+    which inherits it; its load failures reach the caller too, through `LMQModel`.)
   - `async_transport=True`: LMQL's scheduler runs in this process (`get_backend(SPEC).stats()` shows the
     cache at work).
   - an LMTP server: `python -m lmq_backend.lmql_plugin lmq:default --port 8080`, then
