@@ -7,7 +7,8 @@ Each replica has an `ApproxPrefixTree` of the prompt text routed to it. A call g
    `cache_threshold` of the text (ties: the less loaded one);
 3. else the replica with the smallest tree (the most room for a new prefix; ties: the less loaded one).
 The text is then inserted into the chosen replica's tree, so that calls that follow go where it went.
-Pure Python; the cluster (`cluster.py`) calls `choose`, `started` and `finished` around each dispatch.
+Pure Python; the cluster (`cluster.py`) calls `choose` (which counts the call as started there) before a
+dispatch and `finished` after it.
 """
 from __future__ import annotations
 
