@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 import lmq_backend as lmq
 from lmq_backend.backend.hf import HFBackend
 from lmq_backend.cache.kv_store import token_bytes
@@ -21,11 +25,24 @@ else:
     " else[B]" where STOPS_AT(B, "e") and len(TOKENS(B)) < 4
 '''
 DISTINCT = 24
+PER_TOKEN = token_bytes(2, 1, 16, torch.float32)  # the model below: 2 layers, 1 kv head of 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Smaller than the other tests' tiny Llama (the LM head over the 49,152-token vocabulary is most of a
+    step): the soak is about the engine's bookkeeping, not the model."""
+    torch.manual_seed(3)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=4096)).eval()
 
 
 def inputs(i: int) -> dict:
-    """Prompts of 1 to ~70 own tokens, holes of 3 to 40 tokens."""
-    return {"x": f" item {i}," * (3 * (i % 8)) + ("é" if i % 3 == 0 else ""), "n": 4 + (i * 7) % 37}
+    """Prompts of 1 to ~70 own tokens, holes of 3 to 24 tokens, and of 50 (rows that outgrow the slots
+    admission keeps for them)."""
+    return {"x": f" item {i}," * (3 * (i % 8)) + ("é" if i % 3 == 0 else ""),
+            "n": 50 if i % 6 == 1 else 4 + (i * 7) % 21}
 
 
 def check(backend: HFBackend) -> None:
@@ -34,16 +51,14 @@ def check(backend: HFBackend) -> None:
     backend.store.check(backend.trie.node_slots(), [pool.row_slots(s) for s in range(pool.rows)])
 
 
-async def test_soak_2000_queries_tight_kv_budget(tokenizer, tiny_models):
-    model = tiny_models["llama"]
+async def test_soak_2000_queries_tight_kv_budget(tokenizer, model):
     alone = HFBackend.from_model(model, tokenizer, cache_budget=0, name="alone")
     q_alone = lmq.Query(SRC, model=alone)
     expected = [(await q_alone.run(inputs(i))).variables for i in range(DISTINCT)]
 
-    per_token = token_bytes(2, 2, 16, model.dtype)
     # ~25 rows' worth of slots: far fewer than the 256 seats the batch offers
-    backend = HFBackend.from_model(model, tokenizer, cache_budget=300 * per_token, name="soak",
-                                   kv_budget=2500 * per_token)
+    backend = HFBackend.from_model(model, tokenizer, cache_budget=300 * PER_TOKEN, name="soak",
+                                   kv_budget=2000 * PER_TOKEN)
     steps = []
 
     def on_step(info):
@@ -87,10 +102,10 @@ async def test_soak_2000_queries_tight_kv_budget(tokenizer, tiny_models):
             assert r == expected[i % DISTINCT], (i, r)
             finished += 1
     assert finished > 1500
-    # the budget forced every mechanism: eviction, preemption, rows waiting for slots
+    # the budget forced trie eviction, and bounded the batch below its 256 seats (prefills waited for
+    # slots); preemption: the test below
     assert backend.stats().evictions > 0
-    assert backend.scheduler.preemptions > 0
-    assert max(s.batch_size for s in steps if s.kind == "decode") > 8
+    assert 8 < max(s.batch_size for s in steps if s.kind == "decode") < 120
     # nothing left behind: no pins, no rows, every slot free or the trie's
     check(backend)
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
@@ -98,15 +113,13 @@ async def test_soak_2000_queries_tight_kv_budget(tokenizer, tiny_models):
     assert backend.store.used_slots == trie_slots
 
 
-async def test_decode_rows_preempted_for_slots_resume_exactly(tokenizer, tiny_models):
+async def test_decode_rows_preempted_for_slots_resume_exactly(tokenizer, model):
     """Rows admitted while slots last outgrow the store as they decode: the latest rows are preempted,
     prefill their tokens again later and finish with the tokens they give alone."""
-    model = tiny_models["llama"]
     src = '"Preemption: a prompt of some length, item {i}.[A]" where len(TOKENS(A)) < 60'
     alone = lmq.compile(src, model=HFBackend.from_model(model, tokenizer, cache_budget=0, name="alone"))
     expected = [(await alone(i=i)).variables for i in range(10)]
-    per_token = token_bytes(2, 2, 16, model.dtype)
-    backend = HFBackend.from_model(model, tokenizer, cache_budget=0, name="tight", kv_budget=400 * per_token)
+    backend = HFBackend.from_model(model, tokenizer, cache_budget=0, name="tight", kv_budget=400 * PER_TOKEN)
     steps = []
 
     def on_step(info):

@@ -86,6 +86,7 @@ class PrefixTrie:
         self.bytes_per_token = int(bytes_per_token)
         self.budget_bytes = int(budget_bytes)
         self.bytes_in_use = 0
+        self._locked_bytes = 0  # bytes of nodes with lock > 0 (kept by pin/unpin: a split keeps the sum)
         self.evictions = 0
         self.evicted_tokens = 0
         self._n_nodes = 0
@@ -172,7 +173,7 @@ class PrefixTrie:
         Touches last_used along the path. Budget 0 -> always (root, 0)."""
         if not self.enabled:
             return self.root, 0
-        ids = tuple(map(int, ids))
+        ids = tuple(ids) if type(ids) is list else tuple(map(int, ids))  # a list: the engine's own ints
         end = len(ids) if limit is None else max(0, min(int(limit), len(ids)))
         node, n = self._walk(self.root, ids, 0, end)
         self._touch(node, self._tick())
@@ -194,7 +195,7 @@ class PrefixTrie:
             return None
         if not self._attached(parent):
             raise ValueError("insert: parent is not a live node of this trie (evicted?)")
-        ids = tuple(map(int, ids))
+        ids = tuple(ids) if type(ids) is list else tuple(map(int, ids))  # a list: the engine's own ints
         slots = np.asarray(slots)
         if slots.shape != (len(ids),):
             raise ValueError(f"insert: {slots.shape} slots for {len(ids)} tokens")
@@ -232,6 +233,8 @@ class PrefixTrie:
         node.pins += 1
         n: TrieNode | None = node
         while n is not None:
+            if n.lock == 0 and n.slots is not None:
+                self._locked_bytes += n.nbytes
             n.lock += 1
             n = n.parent
 
@@ -243,6 +246,8 @@ class PrefixTrie:
         while n is not None:
             n.lock -= 1
             assert n.lock >= 0
+            if n.lock == 0 and n.slots is not None:
+                self._locked_bytes -= n.nbytes
             n = n.parent
 
     def path(self, node: TrieNode) -> list[TrieNode]:
@@ -267,8 +272,8 @@ class PrefixTrie:
 
     def evictable_bytes(self) -> int:
         """Bytes of nodes with lock == 0 (each such node's whole subtree is unpinned, so all of it
-        can be evicted leaf-first)."""
-        return sum(n.nbytes for n in self._iter_nodes() if n.lock == 0)
+        can be evicted leaf-first). O(1): kept up to date by pin and unpin."""
+        return self.bytes_in_use - self._locked_bytes
 
     def protected_bytes(self) -> int:
         return self.bytes_in_use - self.evictable_bytes()
@@ -337,6 +342,8 @@ class PrefixTrie:
             assert c.ids[0] == key and c.parent is r
         assert count == self._n_nodes, "node count"
         assert total == self.bytes_in_use, "bytes_in_use != sum of nbytes"
+        locked = sum(n.nbytes for n in self._iter_nodes() if n.lock > 0)
+        assert locked == self._locked_bytes, "locked bytes != sum of nbytes of locked nodes"
         assert 0 <= self.bytes_in_use <= self.budget_bytes, "budget exceeded"
         if not self.enabled:
             assert count == 0

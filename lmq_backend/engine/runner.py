@@ -55,7 +55,7 @@ class ModelRunner:
             _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
-        self.picks = None     # the last decode step's greedy picks on the device (`DevicePicks`), or None
+        self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
         compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
 
     def new_store(self, budget_bytes: int) -> KVStore:
@@ -109,7 +109,19 @@ class ModelRunner:
             group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
             for i, row_logits, slot in zip(group, group_logits, group_slots):
                 logits[i], slots[i] = row_logits, slot
-        return torch.stack(logits), slots
+        stacked = torch.stack(logits)
+        self.picks = self._greedy_picks(stacked)
+        return stacked, slots
+
+    def _greedy_picks(self, logits: torch.Tensor):
+        """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask, made on
+        the logits' device with one copy to the host (not one sync a row)."""
+        if not self.greedy_masks:
+            return None
+        table = torch.stack([logits.argmax(-1) if m is None else
+                             torch.where(m.to(logits.device), logits, float("-inf")).argmax(-1)
+                             for m in self.greedy_masks]).tolist()
+        return lambda k, i: table[k][i]
 
     @torch.no_grad()
     def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:

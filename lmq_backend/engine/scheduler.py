@@ -63,8 +63,8 @@ class Row:
     slot: int
     joined: int = 0       # order of joining the batch: the latest rows are preempted first
     live: bool = True
-    # After a decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the row's logits under
-    # the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`); else None.
+    # After a prefill, or a fused decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the
+    # row's logits under the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`).
     device_picks: tuple | None = None
 
     def device_pick(self, mask: int) -> int | None:
@@ -278,7 +278,9 @@ class Scheduler:
             return
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
-        rows = [Row(slot=slot, joined=self._joined + i) for i, slot in enumerate(slots)]
+        picks = self.runner.picks
+        rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i))
+                for i, slot in enumerate(slots)]
         self._joined += len(rows)
         self.rows.extend(rows)
         for row in rows:  # the runner may give the new rows their slots in another order
