@@ -3,7 +3,7 @@
 Prefill (many new tokens per row) and decode (one token per row) run through the model's normal forward,
 with a transformers cache that writes the new K/V into the rows' store slots and reads every column through
 their page tables (`compat.pool_cache`), except for Llama-family models: their decode steps run lmq's fused
-step (`fused_decode.py`), whose kernels read the page tables themselves, and on a GPU so do their prefills
+step (`fused/`), whose kernels read the page tables themselves, and on a GPU so do their prefills
 (`FusedDecoder.prefill`, the same layer loop over many tokens). K/V never leave the store: a finished
 segment's slots (`pool.segment(...)`) pass to the prefix trie.
 """
