@@ -63,7 +63,7 @@ def old_gemm(rev: str):
             if (Path(rev) / name).exists():
                 (tmp / name).write_text((Path(rev) / name).read_text())
             continue
-        done = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "show", f"{rev}:lmq_kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
         if done.returncode == 0:
             (tmp / name).write_text(done.stdout)
     out = tmp / "gemm.so"
@@ -87,7 +87,7 @@ def old_library(rev: str):
     if Path(rev).is_dir():
         (tmp / "cpu_gemm.c").write_text((Path(rev) / "cpu_gemm.c").read_text())
     else:
-        (tmp / "cpu_gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu_gemm.c"], cwd=ROOT,
+        (tmp / "cpu_gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:lmq_kernels/cpu_gemm.c"], cwd=ROOT,
                                                        capture_output=True, text=True, check=True).stdout)
     built = build_library(tmp / "out", sources=tmp)
     if built.path is None:

@@ -39,7 +39,7 @@ def _load_kernels():
         return km
     except Exception:
         here = os.path.dirname(os.path.abspath(__file__))
-        kdir = os.path.join(os.path.dirname(here), "kernels")
+        kdir = os.path.join(os.path.dirname(here), "lmq_kernels")
         spec = importlib.util.spec_from_file_location(
             "lmq_kernels_bench", os.path.join(kdir, "__init__.py"), submodule_search_locations=[kdir]
         )

@@ -42,8 +42,8 @@ def _import_engine():
             import lmq_kernels  # noqa: F401
         except ImportError:
             spec = importlib.util.spec_from_file_location(
-                "lmq_kernels", os.path.join(ROOT, "kernels", "__init__.py"),
-                submodule_search_locations=[os.path.join(ROOT, "kernels")])
+                "lmq_kernels", os.path.join(ROOT, "lmq_kernels", "__init__.py"),
+                submodule_search_locations=[os.path.join(ROOT, "lmq_kernels")])
             mod = importlib.util.module_from_spec(spec)
             sys.modules["lmq_kernels"] = mod
             spec.loader.exec_module(mod)
