@@ -92,10 +92,9 @@ class KVPool:
         self._mark(0, self.rows, self.ahead, hi)
         self.ahead = hi
 
-    def reserve_need(self, columns: int):
-        """`need(rows)`: the slots `reserve(columns)` would take from the store for that many rows."""
-        width = max(self.end + columns - self.ahead, 0)
-        return lambda rows: rows * width
+    def reserve_width(self, columns: int) -> int:
+        """The slots a row takes from the store in `reserve(columns)`."""
+        return max(self.end + columns - self.ahead, 0)
 
     # ----- rows -------------------------------------------------------------------------------------
 

@@ -301,7 +301,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         started = time.perf_counter()
         self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
-        self._preempt(self.pool.reserve_need(AHEAD))
+        self._preempt(self.pool.reserve_width(AHEAD))
         tokens = [self.decodes[id(row)][0] for row in self.rows]
         ahead = [self.decodes[id(row)][1] for row in self.rows]
         self.pool.reserve(AHEAD)
@@ -316,10 +316,10 @@ class Scheduler:
             if not future.done():
                 future.set_result(row_logits)
 
-    def _preempt(self, need) -> None:
-        """Preempt the latest rows until the store can give the others `need(rows)` slots for their next
+    def _preempt(self, width: int) -> None:
+        """Preempt the latest rows until the store can give each of the others `width` slots for its next
         columns (evicting unpinned trie leaves counts). A row alone that does not fit fails."""
-        while need(len(self.rows)) > self.store.available():
+        while len(self.rows) * width > self.store.available():
             if len(self.rows) == 1:
                 raise LMQBackendError(
                     f"out of K/V slots: one query alone needs more than the KV budget holds "

@@ -46,11 +46,12 @@ class PrefixEncoder:
     def for_tokenizer(cls, tokenizer: Any, n_bytes: np.ndarray) -> "PrefixEncoder | None":
         """The encoder of a fast tokenizer it `supports` (calling the Rust tokenizer directly: the
         transformers wrapper around it costs more than a short text's tokenization), else None."""
-        if not cls.supports(tokenizer):
+        spec = _spec(tokenizer)
+        if spec is None or not _supported(spec):
             return None
         backend = tokenizer.backend_tokenizer
         spelled = np.array(n_bytes, dtype=np.int64)  # special tokens spell nothing in values, their content here
-        for added in json.loads(backend.to_str()).get("added_tokens", []):
+        for added in spec.get("added_tokens", []):
             if 0 <= added["id"] < len(spelled):
                 spelled[added["id"]] = len(added["content"].encode("utf-8"))
         return cls(lambda text: backend.encode(text, add_special_tokens=False).ids, spelled)
@@ -58,32 +59,18 @@ class PrefixEncoder:
     @staticmethod
     def supports(tokenizer: Any) -> bool:
         """Is `tokenizer` one whose pieces never cross a cut (see the module doc)?"""
-        try:
-            spec = json.loads(tokenizer.backend_tokenizer.to_str())
-        except Exception:  # noqa: BLE001 - a slow (Python) tokenizer, or no JSON form: tokenize whole
-            return False
-        norm, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
-        if (spec.get("model") or {}).get("type") != "BPE" or pre is None:
-            return False
-        if norm is not None and norm.get("type") != "NFC":
-            return False
-        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-        if not all(s.get("type") in _PRE_TOKENIZERS for s in steps):
-            return False
-        if not any(s.get("type") == "ByteLevel" for s in steps) and (spec.get("decoder") or {}).get("type") != "ByteLevel":
-            return False
-        if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
-            return False
-        return not any("\n" in a.get("content", "") for a in spec.get("added_tokens", []))
+        spec = _spec(tokenizer)
+        return spec is not None and _supported(spec)
 
     def encode(self, text: str) -> list[int]:
         if len(text) < MIN_TEXT:
             return self._encode(text)
         cuts = _cuts(text)
         for c in reversed(cuts):
-            head = self._prefixes.get(text[:c + 1])
+            key = text[:c + 1]
+            head = self._prefixes.get(key)
             if head is not None:
-                self._prefixes.move_to_end(text[:c + 1])
+                self._prefixes.move_to_end(key)
                 self.hits += 1
                 return list(head) + self._encode(text[c:])
         self.misses += 1
@@ -105,6 +92,30 @@ class PrefixEncoder:
                 self._prefixes.move_to_end(text[:c + 1])
         while len(self._prefixes) > MAX_ENTRIES:
             self._prefixes.popitem(last=False)
+
+
+def _spec(tokenizer: Any) -> dict | None:
+    """The fast tokenizer's JSON description, or None (a slow Python tokenizer: tokenized whole)."""
+    try:
+        return json.loads(tokenizer.backend_tokenizer.to_str())
+    except Exception:  # noqa: BLE001 - no Rust tokenizer or no JSON form
+        return None
+
+
+def _supported(spec: dict) -> bool:
+    norm, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+    if (spec.get("model") or {}).get("type") != "BPE" or pre is None:
+        return False
+    if norm is not None and norm.get("type") != "NFC":
+        return False
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not all(s.get("type") in _PRE_TOKENIZERS for s in steps):
+        return False
+    if not any(s.get("type") == "ByteLevel" for s in steps) and (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        return False
+    if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
+        return False
+    return not any("\n" in a.get("content", "") for a in spec.get("added_tokens", []))
 
 
 def _cuts(text: str) -> list[int]:
