@@ -18,6 +18,7 @@ from ..cache.kv_store import KVStore, token_bytes
 from . import compat
 from .attention import model_attention
 from .kv_pool import KVPool
+from .picks import masked_argmax
 
 
 @dataclass(slots=True)
@@ -118,9 +119,7 @@ class ModelRunner:
         the logits' device with one copy to the host (not one sync a row)."""
         if not self.greedy_masks:
             return None
-        table = torch.stack([logits.argmax(-1) if m is None else
-                             torch.where(m.to(logits.device), logits, float("-inf")).argmax(-1)
-                             for m in self.greedy_masks]).tolist()
+        table = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks]).tolist()
         return lambda k, i: table[k][i]
 
     @torch.no_grad()

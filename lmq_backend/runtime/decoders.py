@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.picks import masked_argmax
 from ..errors import LMQCompileError, LMQNotSupportedError
 
 DEFAULT_MAX_LEN = 2048
@@ -23,9 +24,7 @@ class Sampler:
 
 class Greedy(Sampler):
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        if allowed is not None:
-            logits = torch.where(allowed.to(logits.device, non_blocking=True), logits, float("-inf"))
-        return int(torch.argmax(logits))
+        return int(masked_argmax(logits, allowed))
 
 
 class Sampling(Sampler):

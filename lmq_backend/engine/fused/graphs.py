@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..picks import masked_argmax
+
 
 def bucket_for(n: int, max_batch: int) -> int:
     """Smallest power of two >= n, capped at max_batch."""
@@ -25,11 +27,11 @@ class GraphSteps:
     device (`DevicePicks`), and `run_ahead`. Reads the decoder's static buffers and step state."""
 
     def _pick_and_advance(self, bp: int) -> None:
-        """Greedy picks under each mask (what `Greedy.select` would pick: the first maximal logit), and, in
+        """Greedy picks under each mask (`masked_argmax`, as `Greedy.select` picks), and, in
         a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
         position and one column further (a run-ahead replays the same graph on them)."""
         logits = self.logits[:bp]
-        picks = torch.where(self.masks[:, None], logits[None], float("-inf")).argmax(-1)  # [K, bp]
+        picks = masked_argmax(logits[None], self.masks[:, None])  # [K, bp]
         self.guess[:, :bp].copy_(picks)
         if self.use_graphs:
             self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
