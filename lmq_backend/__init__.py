@@ -8,7 +8,8 @@ from __future__ import annotations
 from importlib import import_module
 
 _WHERE = {
-    "lmq_backend.backend.protocol": ("Backend", "Sequence", "get_backend", "register_backend"),
+    "lmq_backend.backend.protocol": ("Backend", "Sequence"),
+    "lmq_backend.backend.registry": ("get_backend", "register_backend"),
     "lmq_backend.backend.hf": ("HFBackend",),
     "lmq_backend.cache.stats": ("CacheStats", "TemplateStats"),
     "lmq_backend.errors": (

@@ -53,7 +53,7 @@ def _backend(spec: str, **kwargs):
     with _backends_lock:
         if key not in _backends:
             if not kwargs:
-                from .backend.protocol import get_backend
+                from .backend.registry import get_backend
 
                 _backends[key] = get_backend(spec if not Path(spec).is_dir() else f"hf:{spec}")
             else:
@@ -90,7 +90,7 @@ def tokenizer_dir(spec: str) -> str:
         return str(default_model_dir())
     if _is_folder(spec):
         return spec.removeprefix("hf:")
-    from .backend.protocol import get_backend
+    from .backend.registry import get_backend
 
     return str(getattr(get_backend(spec).vocab.tokenizer, "name_or_path", "") or "")
 

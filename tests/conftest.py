@@ -72,7 +72,7 @@ def make_backend(tokenizer, tiny_models):
 
 @pytest.fixture(scope="session")
 def default_backend():
-    from lmq_backend.backend.protocol import get_backend
+    from lmq_backend.backend.registry import get_backend
 
     return get_backend("default")
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import lmq_backend as lmq
-from lmq_backend.backend import protocol
+from lmq_backend.backend import registry
 from lmq_backend.cli import main
 
 from folders import tiny_folder  # noqa: F401 - a fixture
@@ -73,7 +73,7 @@ async def test_register_backend_and_from_hf_dir(folder_backend, tiny_folder, exp
         r = await lmq.compile(QUERY + '\nfrom "my-model"')()
         assert r["X"] == expected
     finally:
-        protocol._REGISTRY.pop("my-model", None)
+        registry._REGISTRY.pop("my-model", None)
     name = f"hf:{tiny_folder}"
     try:
         r = await lmq.compile(QUERY + f'\nfrom "{name}"')()
@@ -81,7 +81,7 @@ async def test_register_backend_and_from_hf_dir(folder_backend, tiny_folder, exp
         backend = lmq.get_backend(name)
         assert backend is not folder_backend and backend.stats().calls == 1  # loaded from the folder once
     finally:
-        protocol._REGISTRY.pop(name, None)
+        registry._REGISTRY.pop(name, None)
 
 
 def test_cli_model_option_overrides_from(tiny_folder, expected, tmp_path, capsys):  # noqa: F811
@@ -95,4 +95,4 @@ def test_cli_model_option_overrides_from(tiny_folder, expected, tmp_path, capsys
         assert result["variables"] == {"X": expected} and result["prompt"] == PROMPT + expected
         assert lmq.get_backend(name).stats().calls == 1
     finally:
-        protocol._REGISTRY.pop(name, None)
+        registry._REGISTRY.pop(name, None)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import lmq_backend as lmq
-from lmq_backend.backend import protocol
+from lmq_backend.backend import protocol, registry
 from lmq_backend.cache.stats import CacheStats, StepInfo, TemplateStats, format_table, percentile
 from lmq_backend.cli import main
 from lmq_backend.profile import format_step, log_steps, profile_query, query_inputs, read_inputs
@@ -180,7 +180,7 @@ def tiny_cli(make_backend, tmp_path):
         return str(path)
 
     yield backend, str(query), inputs
-    protocol._REGISTRY.pop("tiny-test", None)
+    registry._REGISTRY.pop("tiny-test", None)
 
 
 def review(text: str) -> str:

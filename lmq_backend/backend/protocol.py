@@ -4,7 +4,8 @@
 The runtime builds a query's prompt as a `Sequence` of segments (template text, interpolated values,
 generated values). It calls, in order, `extend` for literal text, `generate` to fill a hole under a
 constraint, and `score` for a `distribution` clause; `release` always runs at the end (also on failure
-or cancellation). Each segment is tokenized on its own, the same way whatever the backend caches, so
+or cancellation). Beam decoders pick tokens themselves: `next_tokens` lists a hole's next choices, `fork`
+copies a sequence for a new beam, `append` adds the value a beam chose. Each segment is tokenized on its own, the same way whatever the backend caches, so
 cached and uncached runs see the same token ids.
 """
 from __future__ import annotations
@@ -14,10 +15,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..cache.stats import CacheStats, StepInfo
     from ..runtime.constraints import HoleState
     from ..runtime.decoders import Sampler
     from ..runtime.vocab import VocabIndex
+
+
+@dataclass(frozen=True, slots=True)
+class NextTokens:
+    """What `Backend.next_tokens` returns: token ids and their log-probabilities, best first, and the
+    log-probability of ending the value here (None: the value cannot end here)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    end: float | None
 
 
 @dataclass(eq=False)
@@ -61,6 +74,27 @@ class Backend(abc.ABC):
         """Per-token log-probabilities of each continuation (token ids) after `seq` (seq is not changed)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score token ids")
 
+    async def next_tokens(self, seq: Sequence, tokens: list[int], k: int, allowed: "np.ndarray | None",
+                          can_end: bool) -> "NextTokens":
+        """The choices of a decoder that picks tokens itself (beam search) after `seq.ids + tokens`, where
+        `tokens` are a hole's tokens so far: the `k` most likely tokens that extend the value (in `allowed`,
+        None: every token a value may hold), best first; and when `can_end`, ending the value here, scored as
+        the most likely token that cannot extend it (as `generate` ends a hole under greedy decoding).
+        Log-probabilities are the model's, over every token (the mask does not renormalise them). With no
+        token to extend the value, no forward runs: ending is free (0.0) if `can_end`. `seq` keeps its ids
+        and text; its handle may move to a cached node covering `tokens`, so that the next call, with one
+        more token, computes that token alone. Raises LMQLengthError past `seq.max_len` unless `can_end`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list next tokens (no beam decoding)")
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of `seq` (ids, text, the cached prefix it holds); release each of them."""
+        return Sequence(seq.template, list(seq.ids), seq.text, seq.max_len)
+
+    def append(self, seq: Sequence, ids: list[int], text: str) -> None:
+        """Append a value whose token ids the decoder chose (`ids`, reading as `text`) as one segment."""
+        seq.ids.extend(ids)
+        seq.text += text
+
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """The query is done with `seq` (finished, failed or cancelled): drop its pins."""
@@ -78,15 +112,3 @@ class Backend(abc.ABC):
 
     def on_step(self, callback: Callable[["StepInfo"], None] | None) -> None:
         """Call `callback(StepInfo)` after every model forward (None removes it); for live monitoring."""
-
-
-# The registry of named backends lives in `registry.py`; these names are still found here (old import path).
-_REGISTRY_NAMES = frozenset({"register_backend", "get_backend", "_REGISTRY", "_FACTORIES"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _REGISTRY_NAMES:
-        from . import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

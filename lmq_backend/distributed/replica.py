@@ -11,7 +11,8 @@ import os
 import pickle
 from typing import Any, Callable
 
-from ..backend.protocol import Backend, get_backend
+from ..backend.protocol import Backend
+from ..backend.registry import get_backend
 from ..errors import LMQRuntimeError
 
 Spec = str | Callable[[], Backend]
