@@ -7,6 +7,19 @@ from pathlib import Path
 import pytest
 
 
+def copy_without_weights(folder: Path) -> Path:
+    """A new folder holding the default model's files except its weights (tokenizer and config)."""
+    import shutil
+
+    from lmq_backend.backend.default_model import default_model_dir
+
+    folder.mkdir()
+    for f in default_model_dir().iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def save_tiny_folder(path: Path, seed: int = 1) -> Path:
     from transformers import AutoTokenizer
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,8 @@ lmql = pytest.importorskip("lmql")
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql_plugin as lmq_lmql  # noqa: E402
 from lmq_backend import lmql_process  # noqa: E402
-from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
 
-from folders import tiny_folder  # noqa: E402,F401 - a fixture
+from folders import copy_without_weights, tiny_folder  # noqa: E402,F401 - a fixture
 
 GUARD_S = 300
 QUERY = '"Review: {review}\\nSentiment:[X]" where X in [" positive", " negative", " neutral"]\nreturn X'
@@ -36,12 +34,7 @@ async def ask(model, review: str = "Great food.") -> str:
 def no_weights(tmp_path) -> Path:
     """A folder with the default model's tokenizer and config but no weights: LMQL's tokenizer loads, the
     model does not."""
-    folder = tmp_path / "no-weights"
-    folder.mkdir()
-    for f in default_model_dir().iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
-            shutil.copy(f, folder / f.name)
-    return folder
+    return copy_without_weights(tmp_path / "no-weights")
 
 
 def model_processes() -> set[int]:

@@ -4,7 +4,6 @@ its key changes with the tokenizer's files, the size and the code that builds it
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -12,8 +11,9 @@ import numpy as np
 import pytest
 
 from lmq_backend.backend import vocab_cache
-from lmq_backend.backend.default_model import default_model_dir
 from lmq_backend.runtime.vocab import VocabIndex
+
+from folders import copy_without_weights
 
 HEAVY = ("torch", "transformers", "lark", "numpy", "lmql.models.lmtp.backends")
 
@@ -43,12 +43,7 @@ def test_names_load_on_first_use():
 
 @pytest.fixture
 def tokenizer_folder(tmp_path):
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    for f in default_model_dir().iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
-            shutil.copy(f, folder / f.name)
-    return folder
+    return copy_without_weights(tmp_path / "tok")
 
 
 def load_tokenizer(folder):
