@@ -88,7 +88,8 @@ class HFBackend(Backend):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
-        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget)
+        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget,
+                    weights_folder=Path(path))
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
@@ -97,10 +98,11 @@ class HFBackend(Backend):
         backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
         return backend
 
-    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None) -> None:
+    def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None,
+               weights_folder: Path | None = None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, max_batch=max_batch)
+        self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
         kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget)
         self.store = self.runner.new_store(kv_bytes)
         self.trie = PrefixTrie(parse_bytes(cache_budget), self.store.bytes_per_token, self.store)

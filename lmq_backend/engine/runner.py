@@ -10,6 +10,7 @@ segment's slots (`pool.segment(...)`) pass to the prefix trie.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,9 +35,12 @@ class ModelRunner:
     """Runs the model's forwards for the scheduler. Decode steps of Llama-family models go through the fused
     `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
     the growable pool on the CPU; on a GPU their prefills run its layer loop too (`fused_prefill`). Other
-    models, and CPU prefills, run the model's own forward."""
+    models, and CPU prefills, run the model's own forward. `weights_folder`: the folder the model was just
+    loaded from, unchanged since; its CPU layout then starts from K-major weights kept on disk
+    (`fused/weight_cache.py`)."""
 
-    def __init__(self, model, max_batch: int = 64, fused: bool | None = None, fused_prefill: bool | None = None):
+    def __init__(self, model, max_batch: int = 64, fused: bool | None = None, fused_prefill: bool | None = None,
+                 weights_folder: Path | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -53,6 +57,10 @@ class ModelRunner:
         if self.fused_prefill and not fused:
             raise ValueError("fused_prefill needs the fused decoder (a supported Llama-family model)")
         if fused:  # lay the weights out now: every forward, the first prefill included, reads the same layout
+            if weights_folder is not None:
+                from .fused.weight_cache import use_k_major
+
+                use_k_major(model, weights_folder)
             _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
