@@ -9,6 +9,7 @@ keeps (0 turns it off: every prefill computes the whole prompt, the exact refere
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -23,7 +24,7 @@ from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
 from ..runtime.vocab import VocabIndex
-from .protocol import Backend, Sequence
+from .protocol import Backend, NextTokens, Sequence
 from .vocab_cache import vocab_index
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -205,6 +206,34 @@ class HFBackend(Backend):
         per_token = await self.score_tokens(seq, [self._vocab.encode_continuation(o) for o in options])
         return [sum(lps) for lps in per_token]
 
+    async def next_tokens(self, seq: Sequence, tokens: list[int], k: int, allowed, can_end: bool) -> NextTokens:
+        extendable = self._extendable if allowed is None else allowed & self._extendable
+        if not extendable.any():
+            return NextTokens([], [], 0.0 if can_end else None)
+        if len(seq.ids) + len(tokens) >= seq.max_len:
+            if can_end:
+                return NextTokens([], [], 0.0)
+            self._check_length(seq, len(seq.ids) + len(tokens) + 1)
+        # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
+        # waits for the other beams' choices, so the batch's decode steps never wait for it
+        logits, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True))
+        self.scheduler.release(row)
+        logp = logits.float() if self._pick_all is None else logits.float().masked_fill(~self._pick_all, -math.inf)
+        logp = torch.log_softmax(logp, dim=-1)
+        extend = torch.from_numpy(extendable).to(logp.device)
+        top = torch.topk(logp.masked_fill(~extend, -math.inf), min(k, int(extendable.sum())))
+        ids, logprobs = top.indices.tolist(), top.values.tolist()
+        keep = [i for i, lp in enumerate(logprobs) if lp > -math.inf]
+        end = float(logp.masked_fill(extend, -math.inf).max()) if can_end else None
+        return NextTokens([ids[i] for i in keep], [logprobs[i] for i in keep],
+                          None if end is None or end == -math.inf else end)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        copy = Sequence(seq.template, list(seq.ids), seq.text, seq.max_len)
+        if seq.handle is not None:
+            self._pin(copy, seq.handle)
+        return copy
+
     def release(self, seq: Sequence) -> None:
         self._pin(seq, None)
 
@@ -277,11 +306,12 @@ class HFBackend(Backend):
 class _Prefill:
     """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
 
-    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = ()):
+    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = (), store_all: bool = False):
         """`resume`: tokens generated after `seq.ids` by a row that was preempted; they are prefilled too,
-        but only the prompt's new part is stored in the trie (as when the row first ran)."""
+        but only the prompt's new part is stored in the trie (as when the row first ran), unless `store_all`
+        (a beam's tokens: the next step and the beam's forks read them from the trie)."""
         ids = seq.ids + list(resume) if resume else seq.ids
-        self.prompt_len = len(seq.ids)
+        self.prompt_len = len(ids) if store_all else len(seq.ids)
         if not ids:
             raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
         backend._check_length(seq, len(ids))
