@@ -53,14 +53,14 @@ def cmd_run(args) -> int:
                       model=args.model)
     result = query.run_sync(**_parse_vars(args.var))
     # a list is n results only for n > 1: a query may also return a list (one result, printed as itself)
-    results = result if query.decoder.n > 1 else [result]
+    results = result if query.decoder.n > 1 or query.decoder.beam else [result]
     if args.json:
         print(json.dumps([r.__dict__ if isinstance(r, lmq.Result) else _jsonable(r) for r in results],
                          indent=2, default=repr))
         return 0
     for i, r in enumerate(results):
         if len(results) > 1:
-            print(f"=== result {i + 1} of {len(results)} ===")
+            print(f"=== {'beam' if query.decoder.beam else 'result'} {i + 1} of {len(results)} ===")
         if not isinstance(r, lmq.Result):
             print(r)
             continue
@@ -68,6 +68,8 @@ def cmd_run(args) -> int:
         print("---")
         for name, value in r.variables.items():
             print(f"{name} = {value!r}")
+        if r.score is not None:
+            print(f"score = {r.score:.4f}")
         if r.distribution:
             print("distribution:")
             for option, p in sorted(r.distribution.items(), key=lambda kv: -kv[1]):

@@ -6,7 +6,7 @@
   a variable that is not a hole of the query, or (when `inputs` is given) when the query reads a free
   name that is not an input, a known global or a builtin;
 - `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
-- `LMQNotSupportedError` for `beam`, an unknown decoder or an unknown decoder argument;
+- `LMQNotSupportedError` for an unknown decoder or an unknown decoder argument;
 - `LMQCompileError` when `distribution VAR` is not the last hole of the body.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ DECODER_ARGS: dict[str, frozenset[str]] = {
     "argmax": frozenset({"max_len"}),
     "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len"}),
     "beam": frozenset({"n", "max_len"}),
+    "beam_var": frozenset({"n", "max_len"}),
+    "var": frozenset({"b", "n", "max_len"}),
 }
 
 
@@ -170,9 +172,7 @@ def _check_decoder(q: QueryAST) -> None:
     d = q.decoder
     if d.name not in DECODER_ARGS:
         raise LMQNotSupportedError(
-            f"unknown decoder {d.name!r} ({_pos(d.span)}); supported decoders: argmax, sample")
-    if d.name == "beam":
-        raise LMQNotSupportedError(f"beam decoding is not implemented yet; use argmax or sample ({_pos(d.span)})")
+            f"unknown decoder {d.name!r} ({_pos(d.span)}); supported decoders: {', '.join(DECODER_ARGS)}")
     allowed = DECODER_ARGS[d.name]
     for k in d.args:
         if k not in allowed:

@@ -26,7 +26,7 @@ class _PendingWhere:
         self.py = py
 
 
-_DECODERS_AT_TOP = {"argmax", "sample", "beam"}
+_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_var", "var"}
 
 
 @v_args(meta=True)

@@ -1,7 +1,10 @@
 """Decoders: how a token is picked from the logits of one row, among the tokens its constraint allows.
 
 `argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
-per-result generator, so a seeded run repeats whatever else shares its batch.
+per-result generator, so a seeded run repeats whatever else shares its batch. The beam decoders
+`beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best tokens by the sum of their
+log-probabilities over the whole query, and return the n best results (runtime/beam.py says exactly how);
+LMQL's `best_k` is not offered.
 """
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ import torch
 
 from ..engine.picks import masked_argmax
 from ..errors import LMQCompileError, LMQNotSupportedError
+from ..language.checks import DECODER_ARGS
 
 DEFAULT_MAX_LEN = 2048
+BEAM_DECODERS = ("beam", "beam_var", "var")
 
 
 class Sampler:
@@ -60,18 +65,30 @@ class DecoderSpec:
     top_p: float = 1.0
     seed: int | None = None
     max_len: int = DEFAULT_MAX_LEN
+    b: int = 2  # var(b, n): the beams each kept beam searches a variable with
+
+    @property
+    def beam(self) -> bool:
+        return self.name in BEAM_DECODERS
 
     @classmethod
     def from_clause(cls, name: str, args: dict) -> "DecoderSpec":
         """Check a decoder clause's arguments (the parser has checked their names)."""
-        if name not in ("argmax", "sample"):
-            raise LMQNotSupportedError(f"decoder {name!r} is not supported: use argmax or sample(...)"
-                                       + ("; beam decoding is not implemented yet" if name == "beam" else ""))
+        if name not in ("argmax", "sample", *BEAM_DECODERS):
+            raise LMQNotSupportedError(f"decoder {name!r} is not supported: use argmax, sample(...), "
+                                       f"beam(n), beam_var(n) or var(b, n)")
+        unknown = sorted(set(args) - DECODER_ARGS[name])
+        if unknown:
+            raise LMQCompileError(f"decoder {name}: unknown argument(s) {', '.join(unknown)}; "
+                                  f"allowed: {', '.join(sorted(DECODER_ARGS[name]))}")
+        if name in BEAM_DECODERS and "n" not in args:
+            args = {**args, "n": args.get("b", 2) if name == "var" else 4}  # LMQL's defaults
         try:
             spec = cls(name=name, **args)
         except TypeError:
             raise LMQCompileError(f"decoder {name}: unknown argument(s) in {sorted(args)}") from None
-        checks = [("n", isinstance(spec.n, int) and spec.n >= 1, "an integer >= 1"),
+        checks = [("b", isinstance(spec.b, int) and not isinstance(spec.b, bool) and spec.b >= 1, "an integer >= 1"),
+                  ("n", isinstance(spec.n, int) and not isinstance(spec.n, bool) and spec.n >= 1, "an integer >= 1"),
                   ("temperature", isinstance(spec.temperature, (int, float)) and spec.temperature >= 0, "a number >= 0"),
                   ("top_p", isinstance(spec.top_p, (int, float)) and 0 < spec.top_p <= 1, "a number in (0, 1]"),
                   ("seed", spec.seed is None or isinstance(spec.seed, int), "an integer"),

@@ -18,18 +18,20 @@ from typing import Any
 from ..backend.protocol import Backend
 from ..errors import LMQError, LMQRuntimeError
 from ..language import ast
-from .constraints import compile_hole_constraint, constraint_for_hole
+from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
 from .decoders import Sampler
 
 
 @dataclass
 class Result:
-    """One result of a query call: the filled prompt, the variables, the distribution if any."""
+    """One result of a query call: the filled prompt, the variables, the distribution if any; for a beam
+    decoder, `score`: the sum of the log-probabilities of the tokens the decoder chose (runtime/beam.py)."""
 
     prompt: str
     variables: dict[str, Any]
     distribution: dict[str, float] | None = None
     value: Any = None  # what the query's `return` returned, if it returned
+    score: float | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.variables[name]
@@ -135,8 +137,11 @@ class Run:
 
     async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> None:
         constraint = compile_hole_constraint(constraint_for_hole(where, hole.name), self._eval, self.backend.vocab)
-        value = await self.backend.generate(self.seq, constraint.start(), self.sampler)
-        self._assign(hole.name, value)
+        self._assign(hole.name, await self._fill(hole, constraint))
+
+    async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
+        """The hole's value, appended to the sequence (a beam decoder's run fills it its own way)."""
+        return await self.backend.generate(self.seq, constraint.start(), self.sampler)
 
     async def _distribution(self, dist: ast.Distribution) -> None:
         options = self._eval(dist.options)

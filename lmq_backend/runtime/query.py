@@ -1,5 +1,6 @@
 """Compiled queries: `lmq.compile(source)` and `@lmq.query`. A query parses and checks once; each call
-runs it on its backend and returns a `Result` (or what its `return` returned; a list for `sample(n>1)`)."""
+runs it on its backend and returns a `Result` (or what its `return` returned; a list for `sample(n>1)` and
+for beam decoders, best first)."""
 from __future__ import annotations
 
 import ast as pyast
@@ -16,6 +17,7 @@ from ..errors import LMQCompileError, LMQInputError
 from ..language import ast, check_query, free_names, parse_query
 from .constraints import NOT_LITERAL, check_constraint
 from .decoders import DecoderSpec
+from .beam import BeamSearch
 from .interpreter import Run
 
 _LITERAL_CALLS = {"set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sorted": sorted}
@@ -82,6 +84,10 @@ class Query:
             raise LMQInputError(f"query {self.name!r} needs input(s) {', '.join(missing)}")
         backend = backend or self.backend
         started = time.perf_counter()
+        if self.decoder.beam:  # n results, best first, whatever n is (LMQL returns a list for beams)
+            results = await BeamSearch(self.ast, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
+            backend.record_call(self.name, time.perf_counter() - started)
+            return [r.value if _has_return(self.ast.body) else r for r in results]
         runs = [Run(query=self.ast, backend=backend, env={**self.scope, **inputs},
                     sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
                 for i in range(self.decoder.n)]

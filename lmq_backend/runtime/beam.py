@@ -1,0 +1,265 @@
+"""Beam decoders: `beam(n)`, `beam_var(n)` and `var(b, n)`, over the whole query program.
+
+A beam is a query run at a hole: the values of the holes before it, the hole's tokens so far, the
+constraint's state, and its score: the sum of the log-probabilities of every token the decoder chose,
+under the model's full distribution (a mask selects tokens, it does not renormalise them), ending a value
+counting as choosing the most likely token that cannot extend it (as greedy decoding ends a hole).
+Prompt text is given, not chosen: it adds nothing. Scores only fall as beams grow, so a beam search can
+stop once no live beam can beat the finished ones.
+
+- `beam(n)`: one beam search over the query: at every step each live beam proposes its `n` best
+  choices (a next token or ending the value), the `n` best of all proposals stay live, beams may be at
+  different holes. A beam whose program ends is finished; the `n` best finished beams are kept. n=1 is
+  greedy decoding (`argmax`).
+- `beam_var(n)`: beams pooled by variable: all beams fill the same hole together, and a beam that ended
+  its value waits for the others, so that values compete only with values of the same variable. Once the
+  hole's search is decided, the `n` best values go on to the program's next hole.
+- `var(b, n)`: variable-level search: each of the `n` kept beams searches the hole on its own with `b`
+  beams; the `n` best of all the values found go on.
+
+The Python between holes runs again for each beam (a beam is a replay of the program with its values:
+LMQL replays too), so it must depend only on the inputs and the values. Each step, every live beam asks
+the backend for its next choices at once (`Backend.next_tokens`, gathered): the scheduler batches them,
+and their prefixes are shared in the prefix trie. The call returns the `n` best results, best first,
+each with its `score`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backend.protocol import Backend, NextTokens, Sequence
+from ..errors import LMQLengthError, LMQRuntimeError
+from ..language import ast
+from .constraints import HoleConstraint, HoleState
+from .decoders import DecoderSpec, Greedy
+from .interpreter import Result, Run
+
+
+@dataclass(frozen=True, slots=True)
+class Filled:
+    """A hole's value as a beam chose it: its token ids in the sequence and its text."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+class _AtHole(Exception):
+    """A replay reached the first hole it has no value for."""
+
+
+@dataclass
+class _Replay(Run):
+    """A run that takes its first holes' values from `values` and stops at the next hole (`stopped`)."""
+
+    values: tuple[Filled, ...] = ()
+    consumed: int = 0
+    stopped: tuple[Sequence, HoleConstraint] | None = None
+
+    async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
+        if self.consumed < len(self.values):
+            value = self.values[self.consumed]
+            self.consumed += 1
+            self.backend.append(self.seq, list(value.ids), value.text)
+            return value.text
+        self.stopped = (self.backend.fork(self.seq), constraint)
+        raise _AtHole()
+
+
+@dataclass(eq=False)
+class _Beam:
+    """A query run at a hole (see the module docstring). `seq`: the prompt up to the hole; it holds the
+    cached prefix of `seq.ids + tokens` on the backend."""
+
+    values: tuple[Filled, ...]
+    score: float
+    seq: Sequence
+    constraint: HoleConstraint
+    state: HoleState
+    tokens: list[int] = field(default_factory=list)
+    state_taken: bool = False  # a child took `state` (and advanced it): later children replay the tokens
+
+
+@dataclass(eq=False)
+class _Value:
+    """A beam whose hole ended: the values so far (this one included) and the score."""
+
+    values: tuple[Filled, ...]
+    score: float
+
+
+class BeamSearch:
+    """One call of a query under a beam decoder: `await BeamSearch(...).run()` -> results, best first."""
+
+    def __init__(self, query: ast.QueryAST, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
+        self.query, self.backend, self.env, self.spec, self.template = query, backend, env, spec, template
+        self.seqs: dict[int, Sequence] = {}  # every sequence a live beam holds, released at the end
+        self.error: Exception | None = None
+
+    async def run(self) -> list[Result]:
+        try:
+            start = await self._replay(_Value((), 0.0))
+            if self.spec.name == "beam":
+                done = await self._beam([start] if isinstance(start, _Beam) else [], self._keep([], start))
+            else:
+                done = await self._by_variable(start)
+        finally:
+            for seq in self.seqs.values():
+                self.backend.release(seq)
+            self.seqs.clear()
+        if not done:
+            raise self.error or LMQRuntimeError("no beam completed the query")
+        return done
+
+    # ----- the searches ---------------------------------------------------------------------------------
+
+    async def _beam(self, live: list[_Beam], done: list[Result]) -> list[Result]:
+        n = self.spec.n
+        while live:
+            proposals = await self._propose(live, n)
+            parents, live = live, []
+            for score, beam, choice in proposals:
+                if len(done) >= n and score <= done[-1].score:
+                    break
+                if len(live) >= n and not isinstance(choice, str):
+                    continue  # only an ending may still finish a beam among the n best
+                child = self._take(beam, choice, score)
+                if isinstance(child, _Value):
+                    child = await self._replay(child)
+                if isinstance(child, Result):
+                    done = self._keep(done, child)
+                elif len(live) < n:
+                    live.append(child)
+                else:
+                    self._drop(child)
+            for beam in parents:
+                self._drop(beam)
+            if len(done) >= n and (not live or live[0].score <= done[-1].score):
+                break
+        for beam in live:
+            self._drop(beam)
+        return done
+
+    async def _by_variable(self, start: _Beam | Result) -> list[Result]:
+        n = self.spec.n
+        done = self._keep([], start)
+        live = [start] if isinstance(start, _Beam) else []
+        while live:
+            if self.spec.name == "beam_var":
+                values = await self._search_hole(live, n)
+            else:  # var: each beam searches the hole on its own with b beams
+                found = await asyncio.gather(*(self._search_hole([b], self.spec.b) for b in live))
+                values = sorted((v for vs in found for v in vs), key=lambda v: -v.score)
+            live = []
+            for value in values[:n]:
+                nxt = await self._replay(value)
+                if isinstance(nxt, Result):
+                    done = self._keep(done, nxt)
+                else:
+                    live.append(nxt)
+        return done
+
+    async def _search_hole(self, live: list[_Beam], width: int) -> list[_Value]:
+        """Beam search of `width` inside the hole the beams are at: the best values found, best first."""
+        ended: list[_Value] = []
+        while live:
+            proposals = await self._propose(live, width)
+            parents, live = live, []
+            for score, beam, choice in proposals:
+                if len(ended) >= width and score <= ended[width - 1].score:
+                    break
+                if len(live) >= width and not isinstance(choice, str):
+                    continue
+                child = self._take(beam, choice, score)
+                if isinstance(child, _Value):
+                    ended = sorted([*ended, child], key=lambda v: -v.score)
+                elif len(live) < width:
+                    live.append(child)
+                else:
+                    self._drop(child)
+            for beam in parents:
+                self._drop(beam)
+            if len(ended) >= width and (not live or live[0].score <= ended[width - 1].score):
+                break
+        for beam in live:
+            self._drop(beam)
+        return ended[:width]
+
+    # ----- steps ---------------------------------------------------------------------------------------
+
+    async def _propose(self, live: list[_Beam], k: int) -> list[tuple[float, _Beam, int | str]]:
+        """Each beam's `k` best choices, all beams' together, best first: a token id, or the value's text
+        (end the value here)."""
+        choices = await asyncio.gather(*(self._next(beam, k) for beam in live))
+        proposals = []
+        for order, (beam, nt) in enumerate(zip(live, choices)):
+            if nt is None:
+                continue
+            mine = [(beam.score + lp, order, rank, token) for rank, (token, lp) in enumerate(zip(nt.ids, nt.logprobs))]
+            if nt.end is not None:
+                mine.append((beam.score + nt.end, order, -1, beam.state.text))
+            mine.sort(key=lambda c: (-c[0], c[2]))
+            proposals += mine[:k]
+        proposals.sort(key=lambda c: (-c[0], c[1], c[2]))
+        return [(score, live[order], choice) for score, order, _, choice in proposals]
+
+    async def _next(self, beam: _Beam, k: int) -> NextTokens | None:
+        try:
+            nt = await self.backend.next_tokens(beam.seq, beam.tokens, k, beam.state.allowed(), beam.state.can_end())
+        except LMQLengthError as e:
+            self.error = e
+            return None
+        if not nt.ids and nt.end is None:
+            self.error = LMQRuntimeError(f"the constraint cannot be satisfied after {beam.state.text!r}")
+            return None
+        return nt
+
+    def _take(self, beam: _Beam, choice: int | str, score: float) -> _Beam | _Value:
+        """The beam after its choice (a token, or the text it ends its value with): still in its hole (a
+        `_Beam` of its own), or its value (`_Value`)."""
+        if isinstance(choice, str):
+            return self._value(beam.values, beam.tokens, choice, score)
+        if beam.state_taken:
+            state = beam.constraint.start()
+            for t in beam.tokens:
+                state.advance(t)
+        else:
+            state, beam.state_taken = beam.state, True
+        stop = state.advance(choice)
+        tokens = [*beam.tokens, choice]
+        if stop is not None:
+            ids = tokens[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
+            return self._value(beam.values, ids, stop.text, score)
+        child = _Beam(beam.values, score, self.backend.fork(beam.seq), beam.constraint, state, tokens)
+        self.seqs[id(child)] = child.seq
+        return child
+
+    @staticmethod
+    def _value(values: tuple[Filled, ...], ids: list[int], text: str, score: float) -> _Value:
+        return _Value((*values, Filled(tuple(ids), text)), score)
+
+    async def _replay(self, value: _Value) -> _Beam | Result:
+        """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result)."""
+        run = _Replay(query=self.query, backend=self.backend, env=dict(self.env), sampler=Greedy(),
+                      template=self.template, max_len=self.spec.max_len, values=value.values)
+        try:
+            result = await run.execute()
+        except _AtHole:
+            seq, constraint = run.stopped
+            beam = _Beam(value.values, value.score, seq, constraint, constraint.start())
+            self.seqs[id(beam)] = seq
+            return beam
+        result.score = value.score
+        return result
+
+    def _drop(self, beam: _Beam) -> None:
+        seq = self.seqs.pop(id(beam), None)
+        if seq is not None:
+            self.backend.release(seq)
+
+    def _keep(self, done: list[Result], new: Any) -> list[Result]:
+        """`done` with `new` if it is a result, the best `n`, best first."""
+        if not isinstance(new, Result):
+            return done
+        return sorted([*done, new], key=lambda r: -r.score)[: self.spec.n]
