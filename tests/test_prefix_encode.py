@@ -94,3 +94,10 @@ def test_tokenizers_outside_the_rule_are_tokenized_whole():
 
     tok.backend_tokenizer.normalizer = normalizers.Lowercase()
     assert not PrefixEncoder.supports(tok)
+
+
+def test_a_whitespace_run_before_an_added_token_is_no_cut(tokenizer):
+    """"\\n\\n\\n" before an added token is one piece (the added token splits the text first) and before "<" two:
+    a cut after such a run, stored from the first text, would give the second the wrong ids."""
+    base = "".join(f"Line {i}: some words here.\n" for i in range(60)) + "a" * 300
+    check_exact(tokenizer, [base + "\n\n\n<|im_start|>user\n" + "x" * 200, base + "\n\n\n< the rest " + "y" * 200])

@@ -10,13 +10,15 @@ normalizer but NFC, whose pre-tokenizer (GPT-2's, Llama-3's or Qwen's regular ex
 cuts the text into pieces that BPE never merges across, and whose added tokens contain no newline. Their
 regular expressions never match a newline followed by a non-space character within one piece, and decide
 every piece before that point from the characters up to it. So at a *cut* `c` (text[c - 1] is "\\n",
-text[c] is not a space) the ids of any text starting with text[:c + 1] are the ids of text[:c] followed
+neither text[c - 2] nor text[c] is a space) the ids of any text starting with text[:c + 1] are the ids of text[:c] followed
 by the ids of the rest, tokenized alone. The cuts are chosen from the prefix alone (the first one at
-least `STEP` characters after the previous), so two texts sharing a prefix share its cuts, and the ids
-before a cut are stored under text[:c + 1].
+least max(STEP, c / SPREAD) characters after the previous cut c), so two texts sharing a prefix share its
+cuts, and the ids before a cut are stored under text[:c + 1].
 
 A text whose ids do not add up to its bytes (a tokenizer the rule above does not describe) is never
-stored, and tests compare the result with the tokenizer's own on random texts.
+stored, and tests compare the result with the tokenizer's own on random texts. (A newline that ends a longer
+run of whitespace is no cut: an added token starting at c splits the text before the pre-tokenizer runs,
+and "\\n\\n\\n" before it is one piece where before "<" it is two; a lone newline is one piece either way.)
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-STEP = 512          # characters between cuts
+STEP = 128          # characters between cuts, at least; a 32nd of the text before the previous cut beyond 4K
+SPREAD = 32         # (the tail tokenized again stays short; the stored keys' characters grow as the text's)
 MIN_TEXT = 1024     # shorter texts are tokenized whole
 MAX_ENTRIES = 4096  # stored prefixes (least recently used dropped first)
 _SPACE = " \t\n\r\x0b\x0c"
@@ -119,16 +122,16 @@ def _supported(spec: dict) -> bool:
 
 
 def _cuts(text: str) -> list[int]:
-    """Positions c (text[c - 1] == "\\n", text[c] not a space, c < len(text)), the first at or after STEP and
-    each at least STEP after the one before: a function of the prefix up to each cut."""
+    """Positions c (text[c - 1] == "\\n" and neither text[c - 2] nor text[c] a space, c < len(text)), the first at or after STEP and
+    each at least max(STEP, c / SPREAD) after the one before, c: a function of the prefix up to each cut."""
     cuts: list[int] = []
     at = STEP
     n = len(text)
     while True:
         nl = text.find("\n", at - 1)
-        while nl != -1 and nl + 1 < n and text[nl + 1] in _SPACE:
+        while nl != -1 and nl + 1 < n and (text[nl + 1] in _SPACE or (nl and text[nl - 1] in _SPACE)):
             nl = text.find("\n", nl + 1)
         if nl == -1 or nl + 1 >= n:
             return cuts
         cuts.append(nl + 1)
-        at = nl + 1 + STEP
+        at = nl + 1 + max(STEP, (nl + 1) // SPREAD)
