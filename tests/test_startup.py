@@ -96,3 +96,28 @@ def test_the_key_changes_with_what_the_index_is_built_from(tokenizer_folder, mon
     source.write_text("# another version of the index's code\n")
     monkeypatch.setattr(vocab_cache.vocab_module, "__file__", str(source))
     assert vocab_cache.cache_key(tokenizer_folder, 49152) != key
+
+
+QUERY = '''argmax
+    "Q: {question}\\nA:[ANSWER]" where STOPS_AT(ANSWER, "\\n") and len(TOKENS(ANSWER)) < 20
+    if ANSWER == " yes":
+        "Why?[WHY]"
+from "default"
+where len(WHY) < 80
+'''
+
+
+def test_the_grammars_tables_from_disk_parse_as_the_built_ones(monkeypatch, tmp_path):
+    from lark import Lark
+
+    from lmq_backend.language import parser
+
+    monkeypatch.setattr(parser, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(parser, "_lark", None)
+    built = parser.parse_query(QUERY)  # builds the tables and writes them
+    assert (tmp_path / "lark" / "lmq.lark-cache").exists()
+    monkeypatch.setattr(parser, "_lark", None)
+    monkeypatch.setattr(Lark, "_build_parser", lambda self: pytest.fail("the tables were built again"))
+    assert parser.parse_query(QUERY) == built
+    with pytest.raises(parser.LMQSyntaxError):
+        parser.parse_query('argmax\n    "unclosed\n')

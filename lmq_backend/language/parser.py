@@ -32,6 +32,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 from lark.lark import PostLex
 
 from ..errors import LMQError, LMQSyntaxError
+from ..paths import cache_dir
 from .ast import QueryAST
 from .source import _Source, normalize_source
 from .templates import parse_template
@@ -121,13 +122,26 @@ def grammar_text() -> str:
 
 
 def _get_lark() -> Lark:
+    """The parser. Its LALR tables come from `<cache_dir>/lark/lmq.lark-cache` after the first build (lark
+    checks the file against a hash of the grammar, the options and lark's version, and rebuilds on any
+    difference): building them is most of a first compile's time (~0.6 CPU s)."""
     global _lark
     if _lark is None:
         with _lark_lock:
             if _lark is None:
                 _lark = Lark(grammar_text(), parser="lalr", lexer="contextual", postlex=_indenter,
-                             propagate_positions=True, maybe_placeholders=True, start="start")
+                             propagate_positions=True, maybe_placeholders=True, start="start",
+                             cache=_tables_file())
     return _lark
+
+
+def _tables_file() -> str | bool:
+    folder = cache_dir() / "lark"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no cache directory: build the tables every time
+        return False
+    return str(folder / "lmq.lark-cache")
 
 
 _TOKEN_NAMES = {
