@@ -3,7 +3,8 @@
   import       `python -c "import lmq_backend"`
   plugin       `python -c "import lmq_backend.lmql_plugin"`
   lmq run      `lmq run examples/number.lmq` (the first run of a CLI user: load the default model, one query)
-  backend      `HFBackend("default")` alone, split by phase (model files, engine set-up, vocabulary index)
+  backend      `HFBackend("default")` alone, split by phase (model files, engine set-up with and without the
+               weights' K-major entry, vocabulary index)
   lmql call    the plugin's first call: `lmql.model("local:lmq:default")` + one query, LMQL's subprocess mode
 
     python benchmarks/bench_startup.py [--repeat 3] [--only import,plugin,run,backend,lmql]
@@ -49,6 +50,15 @@ from lmq_backend.engine.runner import ModelRunner
 phase("import lmq_backend.backend.hf")
 ModelRunner(model, max_batch=256)
 phase("ModelRunner(model): fused re-layout, kernels")
+try:
+    from lmq_backend.engine.fused.weight_cache import use_k_major
+    use_k_major(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), path)  # (writes it once)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    t, c = time.perf_counter(), time.process_time()
+    ModelRunner(model, max_batch=256, weights_folder=path)
+    phase("ModelRunner(model, weights_folder=): K-major entry")
+except ImportError:
+    pass
 from lmq_backend.runtime.vocab import VocabIndex
 VocabIndex(tok, model.config.vocab_size)
 phase("VocabIndex built")
