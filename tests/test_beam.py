@@ -210,6 +210,29 @@ def test_score_is_the_values_log_probability(make_backend):
         assert r.score == pytest.approx(asyncio.run(reference(r["A"])), abs=1e-4)
 
 
+def test_score_under_a_mask_is_the_models_log_probability(make_backend):
+    """A mask selects tokens and does not renormalise them: beams over a choice of options are the options
+    ranked by their log-probability, as `Backend.score` (the `distribution` clause) gives it. (Options of
+    one byte: one token each, no other spelling; beams are token paths, and a beam search of width n
+    explores only n of them at each step.)"""
+    backend = make_backend("llama")
+    options = ["x", "y", "z", "w"]
+    q = lmq.compile(f'beam(n=4)\n    "Fruit:[C]" where C in {options!r}\n', model=backend)
+    results = asyncio.run(q())
+
+    async def reference() -> list[float]:
+        seq = backend.sequence("ref")
+        await backend.extend(seq, "Fruit:")
+        try:
+            return await backend.score(seq, options)
+        finally:
+            backend.release(seq)
+
+    expected = sorted(zip(asyncio.run(reference()), options), reverse=True)
+    assert [r["C"] for r in results] == [o for _, o in expected]
+    assert [r.score for r in results] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
+
+
 BEAM_QUERIES = [
     ('beam(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('beam_var(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
@@ -230,7 +253,12 @@ def test_beams_cache_on_off_batched_alone(make_backend, decoder, body):
     async def together():
         return await asyncio.gather(*(q(**i) for i in inputs))
 
+    steps = []
+    cached.on_step(steps.append)
     batched = outcome(asyncio.run(together()))
+    cached.on_step(None)
+    # the beams of the four queries step together: one forward for more beams than queries, a new token each
+    assert any(s.batch_size == s.new_tokens > len(inputs) for s in steps)
     uncached = make_backend("llama", cache_budget=0)
     alone = outcome([asyncio.run(q.run(i, backend=uncached)) for i in inputs])
     assert batched[0] == alone[0]
