@@ -24,6 +24,7 @@ from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
 from ..runtime.vocab import VocabIndex
+from .hole_loop import HoleLoop
 from .protocol import Backend, NextTokens, Sequence
 from .vocab_cache import vocab_index
 
@@ -112,6 +113,7 @@ class HFBackend(Backend):
         self.scheduler = Scheduler(self.runner, self.store)
         self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
+        self._extendable_any = bool(self._extendable.any())
         self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
@@ -144,52 +146,23 @@ class HFBackend(Backend):
 
     async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
         logits, row = await self.scheduler.prefill(_Prefill(self, seq))
+        hole = HoleLoop(self, seq, state, sampler, row)
         try:
-            prompt_len = len(seq.ids)
-            generated: list[int] = []
-            stop = None
-            while True:
-                allowed, can_end = state.allowed(), state.can_end()
-                extendable = self._extendable if allowed is None else allowed & self._extendable
-                if not extendable.any():
-                    if can_end:
-                        break  # closed: no token can extend the value, so no forward is needed
-                    raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
-                if prompt_len + len(generated) >= seq.max_len:
-                    if can_end:
-                        break
-                    self._check_length(seq, prompt_len + len(generated) + 1)
-                if can_end:
-                    pick = self._pick_all
-                else:  # the mask of an unconstrained step is on the device already
-                    pick = self._extendable_on_device if allowed is None else torch.from_numpy(extendable)
-                greedy = self._greedy_mask(pick) if type(sampler) is Greedy else None
-                if logits is None:  # feed the last picked token only now that another pick is needed
-                    try:
-                        logits = await self.scheduler.decode(row, generated[-1], ahead=greedy)
-                    except Preempted:  # out of the batch to free slots: prefill the tokens so far again
-                        logits, row = await self.scheduler.prefill(_Prefill(self, seq, generated), first=True)
-                    self._count_decoded(seq)
-                token = row.device_pick(greedy) if greedy is not None else None
-                if token is None:
-                    token = sampler.select(logits, pick)
-                if can_end and not extendable[token]:
-                    break  # a token outside the value (EOS, or one the constraint excludes) ends the hole
-                generated.append(token)
-                stop = state.advance(token)
-                if stop is not None:
-                    break
-                logits = None
-            computed = self.scheduler.pool.length(row.slot) - prompt_len  # generated tokens with K/V in the row
-            if stop is None:
-                value, value_ids = state.text, generated
-            else:
-                value, value_ids = stop.text, generated[: stop.keep] + self._vocab.encode_continuation(stop.tail)
-                computed = min(computed, stop.keep)
+            step = hole.start(logits)
+            while step is not None:  # the scheduler runs the hole's steps (`HoleLoop.feed`) until it is done
+                try:
+                    await self.scheduler.decode(hole.row, *step, then=hole.feed)
+                    step = None
+                except Preempted:  # out of the batch to free slots: prefill the tokens so far again
+                    logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, hole.generated), first=True)
+                    step = hole.resume(logits)
+            prompt_len = hole.prompt_len
+            value, value_ids, computed = hole.value(self.scheduler.pool.length(hole.row.slot) - prompt_len)
             if computed and seq.handle is not None and seq.handle.depth == prompt_len:
-                self._insert(seq, seq.handle, generated[:computed], row, prompt_len)
+                self._insert(seq, seq.handle, hole.generated[:computed], hole.row, prompt_len)
         finally:
-            self.scheduler.release(row)
+            self.scheduler.release(hole.row)
+            self._count_decoded(seq, hole.decoded)
         seq.ids.extend(value_ids)
         seq.text += value
         return value
@@ -290,9 +263,9 @@ class HFBackend(Backend):
                 return k
         return None
 
-    def _count_decoded(self, seq: Sequence) -> None:
-        self._totals.tokens_decoded += 1
-        self._template(seq).tokens_decoded += 1
+    def _count_decoded(self, seq: Sequence, n: int) -> None:
+        self._totals.tokens_decoded += n
+        self._template(seq).tokens_decoded += n
 
     def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], row: Row, start: int) -> None:
         """Store the row's K/V of positions [start, start + len(ids)) under `parent`; pin what was stored."""

@@ -92,8 +92,8 @@ class Scheduler:
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[_Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
-    # id(row) -> (token, the greedy mask its next pick will likely use or None, future)
-    decodes: dict[int, tuple[int, int | None, asyncio.Future]] = field(default_factory=dict)
+    # id(row) -> (token, the greedy mask its next pick will likely use or None, future, continuation or None)
+    decodes: dict[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         self.pool = self.runner.new_pool(self.store)
@@ -120,13 +120,18 @@ class Scheduler:
                 self.release(future.result()[1])
             raise
 
-    async def decode(self, row: Row, token: int, ahead: int | None = None) -> torch.Tensor:
+    async def decode(self, row: Row, token: int, ahead: int | None = None,
+                     then: Callable[[torch.Tensor], tuple[int, int | None] | None] | None = None) -> torch.Tensor:
         """The logits after feeding `token` to the row. `ahead`: the greedy mask (see
         `ModelRunner.set_greedy_masks`) the row's next pick will likely use, so that the GPU may run the
-        following step ahead on the device's own picks while the host checks its constraint."""
+        following step ahead on the device's own picks while the host checks its constraint.
+
+        `then(logits)`: the row's continuation, called inside the step with its logits: it returns the next
+        (token, ahead) to feed, and the row takes part in the next step without waking its caller; or None,
+        and the call returns those logits. An exception it raises is raised here."""
         assert row.live, "decode on a row that left the batch"
         future = self._loop().create_future()
-        self.decodes[id(row)] = (token, ahead, future)
+        self.decodes[id(row)] = (token, ahead, future, then)
         self._wake.set()
         return await future
 
@@ -182,10 +187,10 @@ class Scheduler:
         while self.waiting or self.rows:
             await self._wake.wait()
             self._wake.clear()
+            # let every query that is ready submit, and cancellations land, before the step (rows that go on
+            # through their continuations never leave this task: without it, they would starve the loop)
+            await asyncio.sleep(0)
             self._compact()
-            if self.waiting or len(self.decodes) < len(self.rows):
-                await asyncio.sleep(0)  # let every query that is ready submit before the step
-                self._compact()
             ran = False
             try:
                 # prefills first (rows join the batch as early as they can); a prefill that cannot be
@@ -311,10 +316,20 @@ class Scheduler:
         self.pool.end += 1
         self._report("decode", len(tokens), len(tokens), cached, started)
         for i, (row, row_logits) in enumerate(zip(list(self.rows), logits)):
-            _, _, future = self.decodes.pop(id(row))
+            _, _, future, then = self.decodes.pop(id(row))
             row.device_picks = None if picks is None else (picks, i)
-            if not future.done():
-                future.set_result(row_logits)
+            if future.done():  # cancelled
+                continue
+            if then is not None:
+                try:
+                    step = then(row_logits)
+                except Exception as e:  # noqa: BLE001 - the failure belongs to that query alone
+                    future.set_exception(e)
+                    continue
+                if step is not None:  # the row goes on in the next step, its caller still waiting
+                    self.decodes[id(row)] = (*step, future, then)
+                    continue
+            future.set_result(row_logits)
 
     def _preempt(self, width: int) -> None:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
@@ -325,7 +340,7 @@ class Scheduler:
                     f"out of K/V slots: one query alone needs more than the KV budget holds "
                     f"({self.store.capacity - 1} slots); raise kv_budget=")
             victim = max(self.rows, key=lambda r: r.joined)
-            _, _, future = self.decodes[id(victim)]
+            future = self.decodes[id(victim)][2]
             if not future.done():
                 future.set_exception(Preempted())
             self.preemptions += 1
@@ -349,7 +364,7 @@ class Scheduler:
             if not w.future.done():
                 w.future.set_exception(error)
         self.waiting.clear()
-        for _, _, future in self.decodes.values():
+        for _, _, future, _ in self.decodes.values():
             if not future.done():
                 future.set_exception(error)
         self.decodes.clear()

@@ -108,20 +108,19 @@ class DevicePicks:
         self._host, self.rows = host, rows
         self._event = torch.cuda.Event()
         self._event.record()
-        self._ready = False
+        self._picks: list[list[int]] | None = None
 
-    def _wait(self) -> None:
-        if not self._ready:
+    def _wait(self) -> list[list[int]]:
+        if self._picks is None:  # once a step: a list of lists, not a tensor index a row
             self._event.synchronize()
-            self._ready = True
+            self._picks = self._host.tolist()
+        return self._picks
 
     def __call__(self, mask: int, row: int) -> int:
         """The greedy pick of `row` under mask number `mask`."""
-        self._wait()
-        return int(self._host[mask, row])
+        return self._wait()[mask][row]
 
     def tokens(self, ahead: tuple[int, ...]) -> list[int]:
         """Each row's pick under its own mask (the tokens a run-ahead step ran on)."""
-        self._wait()
-        h = self._host.numpy()
-        return [int(h[k, b]) for b, k in enumerate(ahead)]
+        picks = self._wait()
+        return [picks[k][b] for b, k in enumerate(ahead)]
