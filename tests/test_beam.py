@@ -306,3 +306,46 @@ def test_cli_prints_each_beam(make_backend, tmp_path, capsys):
         assert len(doc) == 2 and doc[0]["score"] >= doc[1]["score"] and doc[0]["prompt"].startswith("Say:")
     finally:
         registry._REGISTRY.pop("tiny-beam", None)
+
+
+def test_decorated_query_with_return_and_distribution(make_backend):
+    """`@lmq.query(decoder="beam(...)")` returns the n return values, best first; a `distribution` clause
+    is scored for each beam."""
+    backend = make_backend("llama")
+
+    @lmq.query(model=backend, decoder="beam(n=3)")
+    async def pick(topic):
+        '''lmq
+        "About {topic}:[A]" where len(TOKENS(A)) < 3
+        "Verdict:[V]"
+        return A.upper()
+        distribution V in [" yes", " no"]
+        '''
+
+    values = asyncio.run(pick("tea"))
+    assert len(values) == 3 and all(isinstance(v, str) and v == v.upper() for v in values)
+    q = lmq.compile('beam(n=3)\n    "About {topic}:[A]" where len(TOKENS(A)) < 3\n    "Verdict:[V]"\n'
+                    'distribution V in [" yes", " no"]\n', model=backend)
+    results = asyncio.run(q(topic="tea"))
+    assert [r["A"].upper() for r in results] == values
+    assert all(set(r.distribution) == {" yes", " no"} and r["V"] in (" yes", " no") for r in results)
+    assert backend.stats().pinned_nodes == 0
+
+
+def test_cancelled_beam_query_leaves_no_pin(make_backend):
+    backend = make_backend("llama")
+    q = lmq.compile('beam(n=4)\n    "Story:[A]" where len(TOKENS(A)) < 40\n', model=backend)
+    steps = []
+    backend.on_step(steps.append)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(q())
+        while len(steps) < 5:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    assert 5 <= len(steps) < 40 and backend.stats().pinned_nodes == 0
+    backend.trie.check()
