@@ -11,14 +11,14 @@ stop once no live beam can beat the finished ones.
   choices (a next token or ending the value), the `n` best of all proposals stay live, beams may be at
   different holes. A beam whose program ends is finished; the `n` best finished beams are kept. n=1 is
   greedy decoding (`argmax`).
-- `beam_var(n)`: beams pooled by variable: all beams fill the same hole together, and a beam that ended
-  its value waits for the others, so that values compete only with values of the same variable. Once the
-  hole's search is decided, the `n` best values go on to the program's next hole.
+- `beam_var(n)`: beams pooled by variable: all beams fill their next hole together, and a beam that
+  ended its value waits for the others, so that values compete only with values of the same variable.
+  Once the hole's search is decided (`n` values that no live beam can beat), the `n` best go on.
 - `var(b, n)`: variable-level search: each of the `n` kept beams searches the hole on its own with `b`
   beams; the `n` best of all the values found go on.
 
-The Python between holes runs again for each beam (a beam is a replay of the program with its values:
-LMQL replays too), so it must depend only on the inputs and the values. Each step, every live beam asks
+A beam goes from one hole to the next by replaying the program with its values (LMQL replays too): the
+Python between holes runs again for every beam at every hole, so it should only read inputs and values. Each step, every live beam asks
 the backend for its next choices at once (`Backend.next_tokens`, gathered): the scheduler batches them,
 and their prefixes are shared in the prefix trie. The call returns the `n` best results, best first,
 each with its `score`.
@@ -94,7 +94,7 @@ class BeamSearch:
 
     def __init__(self, query: ast.QueryAST, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
         self.query, self.backend, self.env, self.spec, self.template = query, backend, env, spec, template
-        self.seqs: dict[int, Sequence] = {}  # every sequence a live beam holds, released at the end
+        self.held: set[_Beam] = set()  # beams holding a sequence (a cached prefix) on the backend
         self.error: Exception | None = None
 
     async def run(self) -> list[Result]:
@@ -105,9 +105,9 @@ class BeamSearch:
             else:
                 done = await self._by_variable(start)
         finally:
-            for seq in self.seqs.values():
-                self.backend.release(seq)
-            self.seqs.clear()
+            for beam in self.held:
+                self.backend.release(beam.seq)
+            self.held.clear()
         if not done:
             raise self.error or LMQRuntimeError("no beam completed the query")
         return done
@@ -232,7 +232,7 @@ class BeamSearch:
             ids = tokens[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
             return self._value(beam.values, ids, stop.text, score)
         child = _Beam(beam.values, score, self.backend.fork(beam.seq), beam.constraint, state, tokens)
-        self.seqs[id(child)] = child.seq
+        self.held.add(child)
         return child
 
     @staticmethod
@@ -248,15 +248,15 @@ class BeamSearch:
         except _AtHole:
             seq, constraint = run.stopped
             beam = _Beam(value.values, value.score, seq, constraint, constraint.start())
-            self.seqs[id(beam)] = seq
+            self.held.add(beam)
             return beam
         result.score = value.score
         return result
 
     def _drop(self, beam: _Beam) -> None:
-        seq = self.seqs.pop(id(beam), None)
-        if seq is not None:
-            self.backend.release(seq)
+        if beam in self.held:
+            self.held.remove(beam)
+            self.backend.release(beam.seq)
 
     def _keep(self, done: list[Result], new: Any) -> list[Result]:
         """`done` with `new` if it is a result, the best `n`, best first."""
