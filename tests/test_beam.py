@@ -262,6 +262,16 @@ def test_beams_cache_on_off_batched_alone(make_backend, decoder, body):
     uncached = make_backend("llama", cache_budget=0)
     alone = outcome([asyncio.run(q.run(i, backend=uncached)) for i in inputs])
     assert batched[0] == alone[0]
+    # beams among greedy queries (rows that decode): the same beams, the same greedy values
+    greedy = lmq.compile(f"argmax\n    {body}\n", model=cached)
+
+    async def mixed():
+        return await asyncio.gather(*(f(**i) for i in inputs for f in (q, greedy)))
+
+    together_with_greedy = asyncio.run(mixed())
+    assert outcome(together_with_greedy[::2])[0] == alone[0]
+    assert [(r.prompt, r.variables) for r in together_with_greedy[1::2]] == \
+        [(r.prompt, r.variables) for r in (asyncio.run(greedy.run(i, backend=uncached)) for i in inputs)]
     assert sum(batched[1], []) == pytest.approx(sum(alone[1], []), abs=1e-4)
     assert cached.stats().pinned_nodes == 0 and cached.stats().tokens_reused > 0
 

@@ -15,13 +15,14 @@ stop once no live beam can beat the finished ones.
   ended its value waits for the others, so that values compete only with values of the same variable.
   Once the hole's search is decided (`n` values that no live beam can beat), the `n` best go on.
 - `var(b, n)`: variable-level search: each of the `n` kept beams searches the hole on its own with `b`
-  beams; the `n` best of all the values found go on.
+  beams; the `n` best of all the values found go on. (LMQL's `var` searches a hole by sampling unless
+  told `subdecoder="beam"`; lmq's is that deterministic form.)
 
 A beam goes from one hole to the next by replaying the program with its values (LMQL replays too): the
-Python between holes runs again for every beam at every hole, so it should only read inputs and values. Each step, every live beam asks
-the backend for its next choices at once (`Backend.next_tokens`, gathered): the scheduler batches them,
-and their prefixes are shared in the prefix trie. The call returns the `n` best results, best first,
-each with its `score`.
+Python between holes runs again for every beam at every hole, so it should only read inputs and values.
+Each step, every live beam asks the backend for its next choices at once (`Backend.next_tokens`,
+gathered): the scheduler batches them, and their prefixes are shared in the prefix trie. The call
+returns the `n` best results, best first, each with its `score`.
 """
 from __future__ import annotations
 
