@@ -1,4 +1,4 @@
-"""Beam decoders (runtime/beam.py): `beam(n)`, `beam_var(n)`, `var(b, n)`.
+"""Beam decoders (runtime/beam.py): `beam(n)`, `beam_var(n)`, `var(b, n)`, `best_k(k, budget, ...)`.
 
 - Hand-checked cases on a fake backend whose next-token probabilities are a table, built so that greedy,
   `beam`, `beam_var` and `var` each give different results (the expected beams are worked out by hand in
@@ -21,7 +21,7 @@ from lmq_backend.backend import registry
 from lmq_backend.backend.protocol import Backend, NextTokens, Sequence
 from lmq_backend.backend.vocab_cache import vocab_index
 from lmq_backend.cli import main
-from lmq_backend.errors import LMQCompileError, LMQNotSupportedError
+from lmq_backend.errors import LMQCompileError, LMQNotSupportedError, LMQRuntimeError
 from lmq_backend.runtime.decoders import DecoderSpec
 
 # ----- a backend whose probabilities are a table ------------------------------------------------------
@@ -152,6 +152,27 @@ def test_var_by_hand(table):
     assert table.open == set()
 
 
+def test_best_k_by_hand(table):
+    # best-first, one entry expanded a step, its 2 best choices kept; priority = log p / choices ** 0.7
+    # (kappa=0: no ageing). Expanded in turn: root; b (-.598); bd (-.433); bdw| (-.647: X ended, at Y);
+    # bdx| (-.696); a (-.799); a| (-.556); a|p (-.740) -> a|ps done (.18225), the budget of 6 is spent but the
+    # search goes on until a result; budget 9: then a|q (-.844) -> a|qs (.1458); every finished beam returned
+    options = "k=1, top_k_continuations=2, kappa=0"
+    assert beams(run(f"best_k({options}, budget=6)", table)) == [("a", "ps", round(.405 * .5 * .9, 8))]
+    assert beams(run(f"best_k({options}, budget=9)", table)) == [("a", "ps", round(.405 * .5 * .9, 8)),
+                                                                ("a", "qs", round(.405 * .4 * .9, 8))]
+    # gamma=0.35 keeps no choice less likely: not e (.1), nor u (.3), v (.2) after bdw| and bdx|, nor z (.1);
+    # the heap runs out after a|ps and a|qs (the budget of 30 is not reached)
+    assert beams(run(f"best_k({options}, gamma=0.35)", table)) == [("a", "ps", round(.405 * .5 * .9, 8)),
+                                                                  ("a", "qs", round(.405 * .4 * .9, 8))]
+    # with LMQL's ageing (kappa=1, beta=0.5) the freshest entries win: b, bd, bdw|, bdw|u -> greedy's result
+    assert beams(run("best_k(k=1, top_k_continuations=2, budget=3)", table)) == [
+        ("bdw", "us", round(.55 * .9 * .5 * .3 * .5, 8))]
+    assert table.open == set()
+    with pytest.raises(LMQRuntimeError, match="best_k finished no beam: its heap ran out"):
+        run("best_k(k=1, gamma=0.95)", table)
+
+
 def test_constraint_masks_apply_to_beams(table):
     # X in ["a", "az"]: step 1 only a (.45: b is masked); step 2 a+END .405 (a value: the beam goes to Y),
     # az .045; step 3 a|p .2025, a|q .162, az+END .045 (no token extends az: ending is free) is cut;
@@ -236,6 +257,7 @@ def test_score_under_a_mask_is_the_models_log_probability(make_backend):
 BEAM_QUERIES = [
     ('beam(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('beam_var(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
+    ('best_k(k=2, budget=8, gamma=0)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 4\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('var(b=2, n=3)', '"Q: {x}\\nA:[A]" where STOPS_AT(A, "a") and len(TOKENS(A)) < 5\n    "\\nB:[B]" where INT(B) and len(TOKENS(B)) < 3'),
 ]
 
@@ -284,7 +306,10 @@ def test_beams_cache_on_off_batched_alone(make_backend, decoder, body):
     ("beam(n=2, max_len=0)", "max_len must be an integer >= 1"),
     ("beam(temperature=0.5)", "unknown argument 'temperature' for decoder beam"),
     ("var(n=2, seed=1)", "unknown argument 'seed' for decoder var"),
-    ("best_k(k=2)", "unknown decoder 'best_k'"),
+    ("best_k(k=0)", "k must be an integer >= 1"),
+    ("best_k(gamma=1.5)", "gamma must be a number in \\[0, 1\\]"),
+    ("best_k(n=2)", "unknown argument 'n' for decoder best_k"),
+    ("top_k(k=2)", "unknown decoder 'top_k'"),
 ])
 def test_bad_beam_arguments(decoder, message):
     with pytest.raises(LMQCompileError, match=message):
@@ -298,7 +323,9 @@ def test_bad_beam_arguments_given_as_text():
     with pytest.raises(LMQCompileError, match="n must be an integer >= 1"):
         DecoderSpec.parse("beam_var(n=-1)")
     with pytest.raises(LMQNotSupportedError, match="best_k"):
-        DecoderSpec.parse("best_k(k=2)")
+        DecoderSpec.parse("beam_search(n=2)")
+    with pytest.raises(LMQCompileError, match="budget must be an integer >= 1"):
+        DecoderSpec.parse("best_k(budget=0)")
     assert (DecoderSpec.parse("beam").n, DecoderSpec.parse("var(b=3)").n) == (4, 3)  # LMQL's defaults
 
 

@@ -35,6 +35,7 @@ DECODER_ARGS: dict[str, frozenset[str]] = {
     "beam": frozenset({"n", "max_len"}),
     "beam_var": frozenset({"n", "max_len"}),
     "var": frozenset({"b", "n", "max_len"}),
+    "best_k": frozenset({"k", "budget", "kappa", "beta", "gamma", "max_heap_size", "top_k_continuations", "max_len"}),
 }
 
 

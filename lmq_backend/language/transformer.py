@@ -26,7 +26,7 @@ class _PendingWhere:
         self.py = py
 
 
-_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_var", "var"}
+_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_var", "var", "best_k"}
 
 
 @v_args(meta=True)

@@ -17,6 +17,8 @@ stop once no live beam can beat the finished ones.
 - `var(b, n)`: variable-level search: each of the `n` kept beams searches the hole on its own with `b`
   beams; the `n` best of all the values found go on. (LMQL's `var` searches a hole by sampling unless
   told `subdecoder="beam"`; lmq's is that deterministic form.)
+- `best_k(k, budget, kappa, beta, gamma, max_heap_size, top_k_continuations)`: LMQL's best-first search
+  over a heap of beams at any hole (`_best_k` says how); every beam that finished is a result.
 
 A beam goes from one hole to the next by replaying the program with its values (LMQL replays too): the
 Python between holes runs again for every beam at every hole, so it should only read inputs and values.
@@ -27,6 +29,7 @@ returns the `n` best results, best first, each with its `score`.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +83,7 @@ class _Beam:
     state: HoleState
     tokens: list[int] = field(default_factory=list)
     state_taken: bool = False  # a child took `state` (and advanced it): later children replay the tokens
+    made: int = 0  # choices made so far (tokens and endings), for best_k's length normalisation
 
 
 @dataclass(eq=False)
@@ -88,6 +92,7 @@ class _Value:
 
     values: tuple[Filled, ...]
     score: float
+    made: int = 0
 
 
 class BeamSearch:
@@ -103,6 +108,8 @@ class BeamSearch:
             start = await self._replay(_Value((), 0.0))
             if self.spec.name == "beam":
                 done = await self._beam([start] if isinstance(start, _Beam) else [], self._keep([], start))
+            elif self.spec.name == "best_k":
+                done = await self._best_k(start)
             else:
                 done = await self._by_variable(start)
         finally:
@@ -187,6 +194,46 @@ class BeamSearch:
             self._drop(beam)
         return ended[:width]
 
+    async def _best_k(self, start: _Beam | Result) -> list[Result]:
+        """LMQL's best-first search: each step expands the `k` best entries of a heap (by the score over
+        the choices made ** 0.7, less kappa * age ** beta), keeps their choices at least `gamma` likely;
+        `budget` expansions (more until a beam finishes); every finished beam is a result."""
+        o = self.spec.best_k
+        done = self._keep([], start, limit=None)
+        heap: list[tuple[_Beam, int]] = [(start, -1)] if isinstance(start, _Beam) else []
+        t = spent = 0
+
+        def priority(entry: tuple[_Beam, int]) -> float:
+            beam, born = entry
+            return beam.score / max(beam.made, 1) ** 0.7 - o.kappa * (t - born) ** o.beta
+
+        while heap and (spent < o.budget or not done):
+            heap.sort(key=priority, reverse=True)
+            chosen, heap = heap[: o.k], heap[o.k:]
+            for score, beam, choice in await self._propose([b for b, _ in chosen], o.top_k_continuations):
+                child = self._take(beam, choice, score)
+                if isinstance(child, _Value):
+                    child = await self._replay(child)
+                if isinstance(child, Result):
+                    done = self._keep(done, child, limit=None)
+                elif math.exp(score - beam.score) >= o.gamma:
+                    heap.append((child, t))
+                else:
+                    self._drop(child)
+            for beam, _ in chosen:
+                self._drop(beam)
+            heap.sort(key=priority, reverse=True)
+            for beam, _ in heap[o.max_heap_size:]:
+                self._drop(beam)
+            del heap[o.max_heap_size:]
+            t, spent = t + 1, spent + len(chosen)
+        for beam, _ in heap:
+            self._drop(beam)
+        if not done and self.error is None:
+            self.error = LMQRuntimeError(f"best_k finished no beam: its heap ran out (a choice less likely than "
+                                         f"gamma={o.gamma} is not kept)")
+        return done
+
     # ----- steps ---------------------------------------------------------------------------------------
 
     async def _propose(self, live: list[_Beam], k: int) -> list[tuple[float, _Beam, int | str]]:
@@ -220,7 +267,7 @@ class BeamSearch:
         """The beam after its choice (a token, or the text it ends its value with): still in its hole (a
         `_Beam` of its own), or its value (`_Value`)."""
         if isinstance(choice, str):
-            return self._value(beam.values, beam.tokens, choice, score)
+            return self._value(beam, beam.tokens, choice, score)
         if beam.state_taken:
             state = beam.constraint.start()
             for t in beam.tokens:
@@ -231,14 +278,15 @@ class BeamSearch:
         tokens = [*beam.tokens, choice]
         if stop is not None:
             ids = tokens[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
-            return self._value(beam.values, ids, stop.text, score)
-        child = _Beam(beam.values, score, self.backend.fork(beam.seq), beam.constraint, state, tokens)
+            return self._value(beam, ids, stop.text, score)
+        child = _Beam(beam.values, score, self.backend.fork(beam.seq), beam.constraint, state, tokens,
+                      made=beam.made + 1)
         self.held.add(child)
         return child
 
     @staticmethod
-    def _value(values: tuple[Filled, ...], ids: list[int], text: str, score: float) -> _Value:
-        return _Value((*values, Filled(tuple(ids), text)), score)
+    def _value(beam: _Beam, ids: list[int], text: str, score: float) -> _Value:
+        return _Value((*beam.values, Filled(tuple(ids), text)), score, beam.made + 1)
 
     async def _replay(self, value: _Value) -> _Beam | Result:
         """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result)."""
@@ -248,7 +296,7 @@ class BeamSearch:
             result = await run.execute()
         except _AtHole:
             seq, constraint = run.stopped
-            beam = _Beam(value.values, value.score, seq, constraint, constraint.start())
+            beam = _Beam(value.values, value.score, seq, constraint, constraint.start(), made=value.made)
             self.held.add(beam)
             return beam
         result.score = value.score
@@ -259,8 +307,8 @@ class BeamSearch:
             self.held.remove(beam)
             self.backend.release(beam.seq)
 
-    def _keep(self, done: list[Result], new: Any) -> list[Result]:
-        """`done` with `new` if it is a result, the best `n`, best first."""
+    def _keep(self, done: list[Result], new: Any, limit: int | None = -1) -> list[Result]:
+        """`done` with `new` if it is a result, the best `limit` (default: n; None: all), best first."""
         if not isinstance(new, Result):
             return done
-        return sorted([*done, new], key=lambda r: -r.score)[: self.spec.n]
+        return sorted([*done, new], key=lambda r: -r.score)[: self.spec.n if limit == -1 else limit]

@@ -3,8 +3,8 @@
 `argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
 per-result generator, so a seeded run repeats whatever else shares its batch. The beam decoders
 `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best tokens by the sum of their
-log-probabilities over the whole query, and return the n best results (runtime/beam.py says exactly how);
-LMQL's `best_k` is not offered.
+log-probabilities over the whole query, and return the n best results; `best_k(k=4, budget=30, ...)` is
+LMQL's best-first search (runtime/beam.py says exactly how).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ..errors import LMQCompileError, LMQNotSupportedError
 from ..language.checks import DECODER_ARGS
 
 DEFAULT_MAX_LEN = 2048
-BEAM_DECODERS = ("beam", "beam_var", "var")
+BEAM_DECODERS = ("beam", "beam_var", "var", "best_k")
 
 
 class Sampler:
@@ -56,6 +56,19 @@ class Sampling(Sampler):
 
 
 @dataclass(frozen=True, slots=True)
+class BestK:
+    """The arguments of `best_k`, with LMQL's defaults (runtime/beam.py)."""
+
+    k: int = 4                      # beams expanded at each step, the best of the heap
+    budget: int = 30                # expansions in all (the search goes on until one beam finishes)
+    kappa: float = 1.0              # an entry's priority falls by kappa * age ** beta
+    beta: float = 0.5
+    gamma: float = 0.05             # a choice less likely than this is not kept
+    max_heap_size: int = 500
+    top_k_continuations: int = 5    # choices per expanded beam
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderSpec:
     """A decoder clause with its arguments checked: what the runtime needs to run a query."""
 
@@ -66,6 +79,7 @@ class DecoderSpec:
     seed: int | None = None
     max_len: int = DEFAULT_MAX_LEN
     b: int = 2  # var(b, n): the beams each kept beam searches a variable with
+    best_k: BestK | None = None
 
     @property
     def beam(self) -> bool:
@@ -76,13 +90,16 @@ class DecoderSpec:
         """Check a decoder clause's arguments (the parser has checked their names)."""
         if name not in ("argmax", "sample", *BEAM_DECODERS):
             raise LMQNotSupportedError(f"decoder {name!r} is not supported: use argmax, sample(...), "
-                                       f"beam(n), beam_var(n) or var(b, n)")
+                                       f"beam(n), beam_var(n), var(b, n) or best_k(k, budget)")
         unknown = sorted(set(args) - DECODER_ARGS[name])
         if unknown:
             raise LMQCompileError(f"decoder {name}: unknown argument(s) {', '.join(unknown)}; "
                                   f"allowed: {', '.join(sorted(DECODER_ARGS[name]))}")
-        if name in BEAM_DECODERS and "n" not in args:
+        if name in ("beam", "beam_var", "var") and "n" not in args:
             args = {**args, "n": args.get("b", 2) if name == "var" else 4}  # LMQL's defaults
+        if name == "best_k":
+            args = {"max_len": args.get("max_len", DEFAULT_MAX_LEN),
+                    "best_k": _check_best_k(BestK(**{k: v for k, v in args.items() if k != "max_len"}))}
         try:
             spec = cls(name=name, **args)
         except TypeError:
@@ -117,3 +134,20 @@ class DecoderSpec:
             return Greedy()
         seed = None if self.seed is None else self.seed + index
         return Sampling(self.temperature, self.top_p, seed)
+
+
+def _check_best_k(options: BestK) -> BestK:
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+    checks = [("k", integer, "an integer >= 1"), ("budget", integer, "an integer >= 1"),
+              ("kappa", number, "a number >= 0"), ("beta", number, "a number >= 0"),
+              ("gamma", lambda v: number(v) and v <= 1, "a number in [0, 1]"),
+              ("max_heap_size", integer, "an integer >= 1"), ("top_k_continuations", integer, "an integer >= 1")]
+    for name, ok, what in checks:
+        if not ok(getattr(options, name)):
+            raise LMQCompileError(f"decoder best_k: {name} must be {what}, got {getattr(options, name)!r}")
+    return options
