@@ -386,3 +386,23 @@ def test_cancelled_beam_query_leaves_no_pin(make_backend):
     asyncio.run(cancel_midway())
     assert 5 <= len(steps) < 40 and backend.stats().pinned_nodes == 0
     backend.trie.check()
+
+
+def test_more_beams_than_seats(tokenizer, tiny_models):
+    """Beams never hold a row while they wait for each other: 6 queries of 3 beams among greedy queries,
+    on a batch of 4 seats, finish with the beams they have alone."""
+    from lmq_backend.backend.hf import HFBackend
+
+    small = HFBackend.from_model(tiny_models["llama"], tokenizer, cache_budget="64MB", max_batch=4)
+    body = '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 4\n    "\\nB:[B]" where len(TOKENS(B)) < 3'
+    q = lmq.compile(f"beam(n=3)\n    {body}\n", model=small)
+    greedy = lmq.compile(f"argmax\n    {body}\n", model=small)
+    words = ("one", "two", "three", "four", "five", "six")
+
+    async def crowd():
+        return await asyncio.wait_for(asyncio.gather(*(f(x=w) for w in words for f in (q, greedy))), 60)
+
+    together = asyncio.run(crowd())
+    alone = [asyncio.run(q(x=w)) for w in words]
+    assert [[r.variables for r in rs] for rs in together[::2]] == [[r.variables for r in rs] for rs in alone]
+    assert small.stats().pinned_nodes == 0
