@@ -8,10 +8,12 @@ Linear weights to K-major views of `<cache_dir>/weights/<entry>.safetensors` (me
 then copies them with matching strides. An entry changes no value, only strides: the layout reads the
 numbers it would read from the folder's weights, whatever it does with them.
 
-One entry per (folder, dtype), replaced when its key changes and removed with its folder: the folder's weight files (name, size,
-mtime), the dtype, the Linear weights' names and shapes, and `FORMAT`. Only for a model just loaded from
-`folder` and not changed since (the caller's promise: `HFBackend(path)`), on the CPU. A missing, stale or
-unreadable entry is written again from the weights as loaded; a failure to write is ignored.
+One entry per folder, dtype and set of Linear modules (their names and shapes), replaced when its key
+changes (also the folder's weight files' names, sizes and mtimes, and `FORMAT`) and removed with its
+folder. Only for a model just loaded from `folder` whose Linear weights nothing changed since (the caller's
+promise: `HFBackend(path)`; modules replaced by quantized ones are no longer Linear), on the CPU. A
+missing, stale or unreadable entry is written again from the weights as loaded; a failure to write is
+ignored.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _entry(model, folder: Path) -> tuple[Path, str] | None:
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     shapes = [(n, tuple(m.weight.shape)) for n, m in _linears(model).items()]
     key = hashlib.sha256(json.dumps([FORMAT, dtype, stats, shapes]).encode()).hexdigest()[:32]
-    place = hashlib.sha256(f"{folder.resolve()}|{dtype}".encode()).hexdigest()[:32]
+    place = hashlib.sha256(json.dumps([str(folder.resolve()), dtype, shapes]).encode()).hexdigest()[:32]
     return cache_dir() / "weights" / f"{place}.safetensors", key
 
 
@@ -53,10 +55,10 @@ def use_k_major(model, folder: Path) -> None:
     layout stores them K-major (`weights.py`); elsewhere nothing changes."""
     if next(model.parameters()).device.type != "cpu":
         return
-    entry = _entry(model, folder)
+    linears = _linears(model)
+    entry = _entry(model, folder) if linears else None  # (quantized models have other modules)
     if entry is None:
         return
-    linears = _linears(model)
     transposed = _read(entry, linears)
     if transposed is None:  # from the weights as loaded, never from a layout (which may change them)
         transposed = {name: m.weight.detach().t().contiguous() for name, m in linears.items()}
