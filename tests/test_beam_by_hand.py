@@ -12,7 +12,7 @@ import pytest
 import lmq_backend as lmq
 from lmq_backend.backend.protocol import Backend, NextTokens, Sequence
 from lmq_backend.backend.vocab_cache import vocab_index
-from lmq_backend.errors import LMQRuntimeError
+from lmq_backend.errors import LMQLengthError, LMQRuntimeError
 
 
 # ----- a backend whose probabilities are a table ------------------------------------------------------
@@ -71,6 +71,8 @@ class TableBackend(Backend):
     async def extend(self, seq, text):
         seq.ids += self._vocab.encode(text)
         seq.text += text
+        if len(seq.ids) > seq.max_len:
+            raise LMQLengthError(f"the prompt needs {len(seq.ids)} tokens, more than max_len={seq.max_len}")
 
     async def generate(self, seq, state, sampler):
         raise AssertionError("a beam decoder does not call generate")
@@ -84,6 +86,10 @@ class TableBackend(Backend):
     async def next_tokens(self, seq, tokens, k, allowed, can_end):
         self.calls += 1
         await asyncio.sleep(0)
+        if len(seq.ids) + len(tokens) >= seq.max_len:  # the contract: ending is free there, if allowed
+            if can_end:
+                return NextTokens([], [], 0.0)
+            raise LMQLengthError("past max_len")
         context = seq.text + "".join(self._vocab.token_bytes[t].decode() for t in tokens)
         table = TABLE[context]
         ids = {text: self.eos if text == "END" else self._vocab.encode(text)[0] for text in table}
@@ -176,3 +182,13 @@ def test_constraint_masks_apply_to_beams(table):
     # |ps .55 is done, a|p .2025, a|q .162 live; a|ps .18225 done; a|qs .1458 cannot beat it.
     body = '"Q:[X]|[Y]" where not "b" in X and len(TOKENS(X)) < 4 and len(TOKENS(Y)) < 3'
     assert beams(run("beam(n=2)", table, body)) == [("", "ps", .55), ("a", "ps", round(.405 * .5 * .9, 8))]
+
+
+def test_a_beam_past_max_len_ends_there(table):
+    # max_len=5 tokens: "Q:" is 2, "|" 1. s2: bd .495, a+END .405 (at Y: 4 tokens). s3: bdw and bdx end X,
+    # and "Q:bdw|" is 6 tokens: those beams end there; a|p .2025, a|q .162 go on. s4: 5 tokens, Y may end:
+    # ending is free. Greedy (n=1) takes b, d, w and cannot go on.
+    assert beams(run("beam(n=2, max_len=5)", table)) == [("a", "p", .2025), ("a", "q", .162)]
+    with pytest.raises(LMQLengthError, match="max_len=5"):
+        run("beam(n=1, max_len=5)", table)
+    assert table.open == set()

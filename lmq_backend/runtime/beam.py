@@ -137,9 +137,9 @@ class BeamSearch:
                     child = await self._replay(child)
                 if isinstance(child, Result):
                     done = self._keep(done, child)
-                elif len(live) < n:
+                elif child is not None and len(live) < n:
                     live.append(child)
-                else:
+                elif child is not None:
                     self._drop(child)
             for beam in parents:
                 self._drop(beam)
@@ -164,7 +164,7 @@ class BeamSearch:
                 nxt = await self._replay(value)
                 if isinstance(nxt, Result):
                     done = self._keep(done, nxt)
-                else:
+                elif nxt is not None:
                     live.append(nxt)
         return done
 
@@ -216,9 +216,9 @@ class BeamSearch:
                     child = await self._replay(child)
                 if isinstance(child, Result):
                     done = self._keep(done, child, limit=None)
-                elif math.exp(score - beam.score) >= o.gamma:
+                elif child is not None and math.exp(score - beam.score) >= o.gamma:
                     heap.append((child, t))
-                else:
+                elif child is not None:
                     self._drop(child)
             for beam, _ in chosen:
                 self._drop(beam)
@@ -288,12 +288,16 @@ class BeamSearch:
     def _value(beam: _Beam, ids: list[int], text: str, score: float) -> _Value:
         return _Value((*beam.values, Filled(tuple(ids), text)), score, beam.made + 1)
 
-    async def _replay(self, value: _Value) -> _Beam | Result:
-        """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result)."""
+    async def _replay(self, value: _Value) -> _Beam | Result | None:
+        """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result);
+        None if its prompt outgrows max_len (that beam ends there, the others go on)."""
         run = _Replay(query=self.query, backend=self.backend, env=dict(self.env), sampler=Greedy(),
                       template=self.template, max_len=self.spec.max_len, values=value.values)
         try:
             result = await run.execute()
+        except LMQLengthError as e:
+            self.error = e
+            return None
         except _AtHole:
             seq, constraint = run.stopped
             beam = _Beam(value.values, value.score, seq, constraint, constraint.start(), made=value.made)
