@@ -115,6 +115,7 @@ class HFBackend(Backend):
         self._extendable = ~self._vocab.special
         self._extendable_any = bool(self._extendable.any())
         self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
+        self._extendable_count = int(self._extendable.sum())
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
         self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
@@ -193,8 +194,11 @@ class HFBackend(Backend):
         self.scheduler.release(row)
         logp = logits.float() if self._pick_all is None else logits.float().masked_fill(~self._pick_all, -math.inf)
         logp = torch.log_softmax(logp, dim=-1)
-        extend = torch.from_numpy(extendable).to(logp.device)
-        top = torch.topk(logp.masked_fill(~extend, -math.inf), min(k, int(extendable.sum())))
+        if allowed is None:  # an unconstrained step: the mask is on the device already
+            extend, count = self._extendable_on_device, self._extendable_count
+        else:
+            extend, count = torch.from_numpy(extendable).to(logp.device), int(extendable.sum())
+        top = torch.topk(logp.masked_fill(~extend, -math.inf), min(k, count))
         ids, logprobs = top.indices.tolist(), top.values.tolist()
         keep = [i for i, lp in enumerate(logprobs) if lp > -math.inf]
         end = float(logp.masked_fill(extend, -math.inf).max()) if can_end else None
