@@ -225,6 +225,8 @@ def test_reference_masks_padding():
 
 
 @pytest.mark.skipif(_INTERP, reason="in-process interpreter tests already ran")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernels are tested on this machine (and "
+                    "triton 3.6's interpreter fails on GPU hosts: 'only 0-dimensional arrays can be converted')")
 def test_interpreter_in_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(

@@ -69,7 +69,7 @@ class Prefill(LayerOps):
         end_d, nrows_d = inputs[2 * N + B:2 * N + B + 1], inputs[2 * N + B + 1:]
         hq, d = self.Hq, self.D
         paged = self.triton and self.paged_attention and \
-            paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= _multiprocessors(dev)
+            (not self.cuda or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= _multiprocessors(dev))
         attend = (self._paged_attention if paged else self._gathered_attention)(B, T, starts, starts_d, slot, end)
         x = self.embed.index_select(0, ids_d)                                   # [N, hidden] residual stream
         h = torch.empty_like(x)
