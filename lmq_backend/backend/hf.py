@@ -9,6 +9,7 @@ keeps (0 turns it off: every prefill computes the whole prompt, the exact refere
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -19,6 +20,7 @@ import torch
 
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
+from ..engine.quantize import QUANTIZED_DTYPES
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
@@ -57,6 +59,10 @@ def default_kv_budget(device: torch.device) -> int:
 
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
+    if str(dtype) in QUANTIZED_DTYPES:  # weight-only quantized: loaded in float32, then quantized
+        if device != "cpu":
+            raise LMQBackendError(f"dtype {dtype!r} (weight-only quantized) runs on the CPU only")
+        return torch.float32
     if dtype is None:
         return torch.float32 if device == "cpu" else torch.bfloat16
     if isinstance(dtype, torch.dtype):
@@ -70,18 +76,20 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
 class HFBackend(Backend):
     """A local Hugging Face causal LM: `HFBackend("path/or/dir", device=, dtype=, cache_budget=)`.
 
-    `path` may be "default" for the embedded SmolLM2-135M-Instruct. Use `HFBackend.from_model` to wrap a
-    model and tokenizer you already hold."""
+    `path` may be "default" for the embedded SmolLM2-135M-Instruct. `dtype` "int8" or "int4": weight-only
+    quantized on the CPU (`engine/quantize.py`; the default model's "int4" is its shipped Q4_1 file). Use
+    `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not)."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
                  cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 256,
                  kv_budget: int | str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        gguf_file = None
         if str(path) == "default":
-            from .default_model import default_model_dir
+            from .default_model import default_model_dir, gguf_path
 
-            path = default_model_dir()
+            path, gguf_file = default_model_dir(), gguf_path()
         if not Path(path).is_dir():
             raise LMQBackendError(f"no model folder at {path!s} (lmq loads local folders only, never a hub)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,6 +98,10 @@ class HFBackend(Backend):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
+        if str(dtype) in QUANTIZED_DTYPES:  # "int4" of the default model: its shipped Q4_1 weights as they are
+            from .gguf_weights import quantize_weights
+
+            quantize_weights(model, str(dtype), gguf_file)
         self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget,
                     weights_folder=Path(path))
 
@@ -128,6 +140,10 @@ class HFBackend(Backend):
         self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
         self.reset_stats()
+        # What exists now (the model, the tokenizer, the vocabulary index: ~400K objects) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it (one cost 0.45 s in the
+        # middle of 256 concurrent calls on the CPU). vLLM freezes after its start-up for the same reason.
+        gc.freeze()
 
     # ----- protocol --------------------------------------------------------------------------------
 
