@@ -1,6 +1,7 @@
 """lmq's CPU kernels, in C: built once per machine with its C compiler into one library, called through ctypes.
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
+    quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8/int4 (cpu_qgemm.c)
     attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     rmsnorm(x, w, eps, out), silu_mul(gu, out), rope_append(...) -> bool   the step's small ops (cpu_ops.c)
 
@@ -45,7 +46,7 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
+__all__ = ["small_m_mm", "quantized_mm", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
            "use", "mode", "choose", "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
@@ -99,6 +100,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long,
                                     c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
     for f in (lib.lmq_rmsnorm, lib.lmq_silu_mul, lib.lmq_rope_append):
+        f.restype = None
+    for f in (lib.lmq_qgemm_i8, lib.lmq_qgemm_i4):
+        f.argtypes = [ptr, c_long, ptr, ptr, *([ptr] if f is lib.lmq_qgemm_i4 else []), ptr, c_long,
+                      c_int, c_long, c_long, c_int, c_int]
         f.restype = None
     lib.lmq_gemm_shape.argtypes = [ptr]
     lib.lmq_gemm_shape.restype = None
@@ -238,6 +243,38 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
         accumulate = True
     lib.lmq_small_m_gemm(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(0), out.data_ptr(), out.stride(0),
                          m, k, n, int(accumulate), threads)
+    return True
+
+
+def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 out: torch.Tensor, accumulate: bool = False) -> bool:
+    """out (+)= x @ W^T for a weight-only quantized W [N, K] (layouts in cpu_qgemm.c): int8 q [N, K] with
+    scale [N] (zero None), or int4 q uint8 [N, K/2] with scale (d) and zero (m) [N, K/32]; x [M, K] and out
+    [M, N] float32 with contiguous rows, M <= MAX_ROWS. Not calibrated: torch has no AVX2 kernel near it
+    (benchmarks/bench_quantized.py). False (nothing computed) if it cannot run these operands."""
+    m, k = x.shape
+    if not MIN_ROWS <= m <= MAX_ROWS:
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    n = q.shape[0]
+    int4 = q.dtype == torch.uint8
+    if (not _rows_ok(x, out) or out.shape != (m, n) or not q.is_contiguous() or not scale.is_contiguous()
+            or scale.dtype != torch.float32 or (zero is None) == int4):
+        return False
+    threads = torch.get_num_threads()
+    if int4:
+        if q.shape[1] * 2 != k or k % 32 or scale.shape != (n, k // 32) or zero.shape != scale.shape \
+                or not zero.is_contiguous() or zero.dtype != torch.float32:
+            return False
+        lib.lmq_qgemm_i4(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                         out.data_ptr(), out.stride(0), m, k, n, int(accumulate), threads)
+        return True
+    if q.dtype != torch.int8 or q.shape[1] != k or k % 16 or scale.shape != (n,):
+        return False
+    lib.lmq_qgemm_i8(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), out.stride(0),
+                     m, k, n, int(accumulate), threads)
     return True
 
 

@@ -3,7 +3,8 @@ GEMMs, RoPE + K/V append into the store and SiLU-and-multiply, on the device's k
 
 On a GPU they are Triton kernels (`kernels.py`) and cuBLAS GEMMs. On a CPU they are lmq's C kernels
 (`lmq_kernels.cpu`: the small ops and the GEMMs of 2-8 rows), or torch ops where the library cannot be
-built, over the model's own weights stored K-major (see `weights.py`).
+built, over the model's own weights stored K-major (see `weights.py`). A weight-only quantized model's
+matrices are `QuantizedLinear` (`engine/quantize.py`), which multiply in their own kernel (`_mm`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import triton
 from lmq_kernels import cpu
 
 from ...paths import cache_dir
+from ..quantize import QuantizedLinear
 from .kernels import _rmsnorm_kernel, _rope_append_kernel, _silu_mul_kernel
 from .weights import _Layer, _why_not, decoder_weights
 
@@ -49,7 +51,7 @@ class LayerOps:
         self.Hq = cfg.num_attention_heads
         assert attn0.head_dim == d and cfg.num_key_value_heads == h_kv
         self.hidden = cfg.hidden_size
-        self.inter = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.inter = model.model.layers[0].mlp.gate_proj.out_features
         self.cuda = self.device.type == "cuda"
         # the small ops and attention as Triton kernels (on a CPU only under TRITON_INTERPRET=1, where the
         # tests check them against the torch ops that serve the CPU otherwise)
@@ -66,11 +68,15 @@ class LayerOps:
         self.k_cache = [kv[l, 0] for l in range(L)]          # [slots, H_kv, D] views
         self.v_cache = [kv[l, 1] for l in range(L)]
 
-    def _mm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
-            bias: torch.Tensor | None = None) -> None:
+    def _mm(self, a: torch.Tensor, w: torch.Tensor | QuantizedLinear, out: torch.Tensor,
+            accumulate: bool = False, bias: torch.Tensor | None = None) -> None:
         """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
         small-M kernel (`lmq_kernels.cpu`: K-major weights at close to memory speed, each output one
-        FMA chain whatever the batch), one row or more than 8 through BLAS."""
+        FMA chain whatever the batch), one row or more than 8 through BLAS. A quantized w multiplies in
+        its own kernel (`QuantizedLinear.mm`)."""
+        if isinstance(w, QuantizedLinear):
+            w.mm(a, out, accumulate=accumulate, bias=bias)
+            return
         if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
             return
         if accumulate:

@@ -4,12 +4,19 @@ Per decoder layer (`_Layer`): the q/k/v projections as one [(Hq + 2 H_kv) D, hid
 as one vector, gate and up as one [2 I, hidden] matrix, the norms, o_proj and down_proj as they are. On a
 GPU the concatenations are copies; on the CPU every matrix is stored K-major and the model's own Linear
 modules are re-pointed to views of it. Made once per model (`decoder_weights`).
+
+A weight-only quantized model (`engine/quantize.py`: its Linear modules are `QuantizedLinear`) keeps them:
+each matrix of the layout is then a `QuantizedLinear` (q/k/v and gate/up stacked copies), which `LayerOps._mm`
+multiplies with; a quantized model's weights are fixed once laid out (a later `load_state_dict` does not
+reach the stacked copies).
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
+
+from ..quantize import QuantizedLinear
 
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "llama3", "linear")  # these only change inv_freq (attention_scaling == 1)
@@ -122,7 +129,7 @@ def _share(module, k_major: bool = False) -> torch.Tensor:
 def _stacked(modules, k_major: bool, name: str = "weight") -> torch.Tensor:
     """The modules' `name` parameters (weights [N_i, K], or biases [N_i]: zeros where one has none)
     concatenated along N; K-major weights are the modules' own (they view it), everything else a copy."""
-    rows = [m.weight.shape[0] for m in modules]
+    rows = [m.out_features for m in modules]
     param = next(getattr(m, name) for m in modules if getattr(m, name) is not None)
     shape = (sum(rows), *param.shape[1:])
     out = _k_major(shape, param) if k_major else param.new_empty(shape)
@@ -150,10 +157,14 @@ class _Layer:
         self.post_norm = _share(layer.post_attention_layernorm)
         self.eps = float(layer.input_layernorm.variance_epsilon)
         qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        self.wqkv = _stacked(qkv, k_major)                  # [(Hq + 2 H_kv) D, hidden]
-        self.wgu = _stacked(gu, k_major)                    # [2 I, hidden]
-        self.wo = _share(attn.o_proj, k_major)              # [hidden, Hq D]
-        self.wdown = _share(mlp.down_proj, k_major)         # [hidden, I]
+        if isinstance(attn.q_proj, QuantizedLinear):        # stacked copies; the q/k/v biases: `bqkv` below
+            self.wqkv, self.wgu = QuantizedLinear.stack(qkv), QuantizedLinear.stack(gu)
+            self.wo, self.wdown = attn.o_proj, mlp.down_proj
+        else:
+            self.wqkv = _stacked(qkv, k_major)              # [(Hq + 2 H_kv) D, hidden]
+            self.wgu = _stacked(gu, k_major)                # [2 I, hidden]
+            self.wo = _share(attn.o_proj, k_major)          # [hidden, Hq D]
+            self.wdown = _share(mlp.down_proj, k_major)     # [hidden, I]
         self.bqkv = _stacked(qkv, False, "bias") if any(m.bias is not None for m in qkv) else None
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = _share(qn) if qn is not None else None
@@ -178,8 +189,10 @@ class _Weights:
             self.embed = _share(embed)                      # [V, hidden]
             self.final_norm = _share(model.model.norm)
             head = model.lm_head
-            tied = head.weight.data_ptr() == embed.weight.data_ptr()
-            if not k_major:
+            tied = not isinstance(head, QuantizedLinear) and head.weight.data_ptr() == embed.weight.data_ptr()
+            if isinstance(head, QuantizedLinear):
+                self.lm_head = head
+            elif not k_major:
                 self.lm_head = self.embed if tied else _share(head)
             elif not tied:
                 self.lm_head = _share(head, k_major=True)

@@ -1,0 +1,108 @@
+"""CPU benchmark: weight-only int8 / int4 GEMMs against float32 at the decode step's shapes.
+
+SmolLM2-135M's GEMMs (K x N: the fused step's q/k/v 576x960, o_proj 576x576, gate/up 576x3072, down
+1536x576, k/v 576x192, the lm_head 576x49152) at M = 1..16 rows: float32 `torch.mm` on K-major weights
+(the fused step's layout), lmq's float32 small-M kernel where calibration chose it (`small_m_mm`), torch's
+weight-only kernels (`_weight_int8pack_mm` per channel, `_weight_int4pack_mm_for_cpu` groups of 32) and
+lmq's (`QuantizedLinear.mm`: lmq_kernels/cpu_qgemm.c, int8 per channel, int4 as Q4_1).
+Weights come from a ring of copies larger than the last-level cache (a decode step reads each layer's weights
+cold); the sides alternate sample by sample; process CPU time per call (the host is shared: CPU time moves
+less with the load than wall time; the clock ticks in ms, so a sample is 16 calls), median of `--reps`.
+
+Run:  python benchmarks/bench_quantized.py [--rows 1,2,4,8,16] [--reps 7] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lmq_backend.engine.quantize import QuantizedLinear
+from lmq_kernels import cpu
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 192), (576, 49152)]
+RING_BYTES = 256 * 2**20  # more than any last-level cache here
+
+
+def host_line() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, ISA "
+            f"{cpu.isa()}; torch {torch.__version__}, {torch.get_num_threads()} threads; load {load}; "
+            f"command: {' '.join(sys.argv)}")
+
+
+def sides(k: int, n: int) -> dict[str, list]:
+    """Per side, a ring of callables f(x) over distinct weight copies."""
+    copies = max(2, RING_BYTES // (k * n * 4))
+    out: dict[str, list] = {"fp32": [], "lmq": [], "t-int8": [], "t-int4": [], "int8": [], "int4": []}
+    for _ in range(min(copies, 8)):
+        w = torch.randn(n, k) * 0.05
+        wk = w.t().contiguous().t()                       # K-major, as fused/weights.py lays it out
+        out["fp32"].append(lambda x, wk=wk: torch.mm(x, wk.t()))
+        o = torch.empty(16, n)
+        out["lmq"].append(lambda x, wk=wk, o=o: cpu.small_m_mm(x, wk.t(), o[: x.shape[0]]) or torch.mm(x, wk.t()))
+        q8, q4 = QuantizedLinear.quantize(w, None, "int8"), QuantizedLinear.quantize(w, None, "int4")
+        out["t-int8"].append(lambda x, q=q8.qweight, s=q8.scales: torch.ops.aten._weight_int8pack_mm(x, q, s))
+        out["t-int4"].append(torch_int4(w))
+        out["int8"].append(lambda x, q=q8, o=o: q.mm(x, o[: x.shape[0]]))
+        out["int4"].append(lambda x, q=q4, o=o: q.mm(x, o[: x.shape[0]]))
+    return out
+
+
+def torch_int4(w: torch.Tensor):
+    """torch's int4 kernel on w's Q4_1-style groups of 32 (zero = m + 8 d, see engine/quantize.py)."""
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo, d = g.amin(-1), (g.amax(-1) - g.amin(-1)) / 15
+    q = torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([d.t(), (lo + 8 * d).t()], -1).contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+
+
+def measure(rows: list[int], reps: int, calls: int = 16) -> None:
+    cpu.configure(Path.home() / ".cache" / "lmq" / "kernels")
+    names = ("fp32", "lmq", "t-int8", "t-int4", "int8", "int4")
+    print(f"{'K x N':>11} {'M':>3} " + " ".join(f"{s:>8}" for s in names)
+          + "   int8/fp32 int4/fp32  (ms per call: CPU time of the process over threads, median of samples of "
+          f"{calls} calls; fp32 = the faster of fp32 and lmq; torch's kernels (t-) at M <= 4 only)")
+    for k, n in SHAPES:
+        fns = sides(k, n)
+        for m in rows:
+            x = torch.randn(m, k)
+            run = {s: f for s, f in fns.items() if not (s.startswith("t-") and (m > 4 or n > 10_000 and m > 1))}
+            cpu_t: dict[str, list[float]] = {s: [] for s in run}
+            for r in range(reps):
+                for s, ring in run.items():
+                    c = time.process_time()
+                    for i in range(calls):
+                        ring[(r + i) % len(ring)](x)
+                    cpu_t[s].append((time.process_time() - c) / calls)
+            med = {s: statistics.median(v) * 1e3 for s, v in cpu_t.items()}
+            fp = min(med["fp32"], med["lmq"])
+            print(f"{k:>5}x{n:<5} {m:>3} " + " ".join(f"{med[s]:8.3f}" if s in med else f"{'-':>8}" for s in names)
+                  + f"   {med['int8'] / fp:9.2f} {med['int4'] / fp:9.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(host_line())
+    measure([int(r) for r in args.rows.split(",")], args.reps)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

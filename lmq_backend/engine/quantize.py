@@ -1,0 +1,157 @@
+"""Weight-only quantized linear layers for the CPU: int8 (per output channel) and int4 (groups of 32).
+
+`QuantizedLinear` replaces a model's `nn.Linear` (or GPT-2's `Conv1D`) modules (`quantize_model`); the
+model's own forward (prefills, non-Llama models) calls it like the module it replaced, and the fused decode
+step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`. Activations stay float32; only
+the weights are stored small:
+
+    int8   w = q * scale[n]                  q int8 [N, K], scale [N]
+    int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
+                                             (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
+
+The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
+(`backend/gguf_weights.py`). Up to 16 rows (decode steps) multiply in lmq's C kernel
+(`lmq_kernels.cpu.quantized_mm`), which de-quantizes in registers; more rows (prefills), or no C compiler,
+de-quantize the weight to float32 for that call and use torch's GEMM. torch's own weight-only kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32 `torch.mm`
+on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
+depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
+or alone, as in float32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmq_kernels import cpu
+
+QUANTIZED_DTYPES = ("int8", "int4")
+GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K]."""
+
+    def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int):
+        super().__init__()
+        assert kind in QUANTIZED_DTYPES and (zeros is None) == (kind == "int8"), kind
+        self.kind, self.in_features = kind, int(in_features)
+        self.register_buffer("qweight", qweight.contiguous())   # int8 [N, K] | uint8 [N, K/2]
+        self.register_buffer("scales", scales.contiguous())     # [N] | d [N, K/32]
+        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())  # m [N, K/32]
+        self.register_buffer("bias", bias)
+        self.out_features = int(qweight.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The de-quantized weight's shape, [N, K] (as a Linear's `weight.shape`)."""
+        return self.out_features, self.in_features
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K]."""
+        if self.kind == "int8":
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.shape
+        b = self.qweight.view(n, k // GROUP_SIZE, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1).float()                             # [N, K/32, 32]
+        return torch.addcmul(self.zeros[..., None], q, self.scales[..., None]).view(n, k)
+
+    def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+           bias: torch.Tensor | None = None) -> None:
+        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]."""
+        if bias is not None:
+            out.copy_(bias.expand_as(out))
+            accumulate = True
+        if cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
+            return
+        w = self.dequantize()
+        if accumulate:
+            out.addmm_(a, w.t())
+        else:
+            torch.mm(a, w.t(), out=out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        a = x.reshape(-1, self.in_features).float().contiguous()
+        y = a.new_empty(a.shape[0], self.out_features)
+        self.mm(a, y, bias=self.bias)
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    # -------------------------------------------------------------------------------- making them
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantizedLinear":
+        """Quantize a float weight [N, K]: int8 symmetric per row (scale = max |w| / 127); int4 asymmetric per
+        group of 32 along K (d = (max - min) / 15, m = min, as Q4_1)."""
+        w = weight.detach().float()
+        n, k = w.shape
+        b = None if bias is None else bias.detach().float().clone()
+        tiny = torch.finfo(torch.float32).tiny
+        if kind == "int8":
+            scale = (w.abs().amax(1) / 127).clamp_min(tiny)
+            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            return cls("int8", q, scale, None, b, k)
+        if kind != "int4":
+            raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
+        g = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = ((hi - lo) / 15).clamp_min(tiny)
+        q = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
+        return cls.from_q4_1(q, d, lo, b)
+
+    @classmethod
+    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> "QuantizedLinear":
+        """int4 weights w = d q + m: q levels 0..15 [N, K] (one a byte), d and m float [N, K / 32]."""
+        n, k = q.shape
+        assert d.shape == m.shape == (n, k // GROUP_SIZE), (q.shape, d.shape, m.shape)
+        g = q.to(torch.uint8).view(n, k // GROUP_SIZE, GROUP_SIZE)
+        packed = g[..., :16] | (g[..., 16:] << 4)                                   # Q4_1's byte order
+        return cls("int4", packed.reshape(n, k // 2), d.float(), m.float(), bias, k)
+
+    @classmethod
+    def stack(cls, modules: list["QuantizedLinear"]) -> "QuantizedLinear":
+        """One module computing the modules' outputs side by side (their weights concatenated along N): the
+        fused step's q/k/v and gate/up projections. A copy; biases are zeros where one has none."""
+        first = modules[0]
+        assert all(m.kind == first.kind and m.in_features == first.in_features for m in modules)
+        bias = None
+        if any(m.bias is not None for m in modules):
+            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
+        zeros = None if first.kind == "int8" else torch.cat([m.zeros for m in modules])
+        return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
+                   zeros, bias, first.in_features)
+
+
+def quantize_model(model, kind: str) -> int:
+    """Replace the model's `nn.Linear` and GPT-2 `Conv1D` modules (the LM head included) by `QuantizedLinear`
+    of `kind` ("int8" or "int4"), in place; embeddings and norms stay float32. A layer whose K is not a multiple
+    of 32 (int4) or 16 (int8) stays float. The model must be float32 on the CPU. Returns how many were replaced."""
+    if kind not in QUANTIZED_DTYPES:
+        raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = _float_weight(child)
+            if weight is None or weight.shape[1] % (GROUP_SIZE if kind == "int4" else 16):
+                continue
+            setattr(parent, name, QuantizedLinear.quantize(weight, child.bias, kind))
+            replaced += 1
+    return replaced
+
+
+def _float_weight(module) -> torch.Tensor | None:
+    """A Linear's weight [N, K] (a Conv1D's, transposed), or None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:  # transformers' GPT-2 layer: x @ W + b
+        return module.weight.t()
+    return None
+
+
+def is_quantized(model) -> bool:
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
