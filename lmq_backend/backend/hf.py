@@ -9,6 +9,7 @@ keeps (0 turns it off: every prefill computes the whole prompt, the exact refere
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import math
 import os
@@ -144,6 +145,9 @@ class HFBackend(Backend):
         # process: out of the collector's sight, a full collection no longer walks it (one cost 0.45 s in the
         # middle of 256 concurrent calls on the CPU). vLLM freezes after its start-up for the same reason.
         gc.freeze()
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)  # back in the collector's sight for the interpreter's teardown (else
+        #                               nanobind, under triton, reports every binding it was not given back)
 
     # ----- protocol --------------------------------------------------------------------------------
 
