@@ -29,9 +29,11 @@ QUERY = '''argmax
 '''
 
 
-def reviews(n: int) -> list[str]:
+def reviews(n: int, start: int = 0) -> list[str]:
+    """n calls' reviews, numbered from `start` (each row of a run its own numbers: a repeated N must not
+    find its calls' whole prompts in the trie)."""
     base = W.w1_reviews(20)
-    return [f"{base[i % len(base)]} (visit {i})" for i in range(n)]
+    return [f"{base[i % len(base)]} (visit {i})" for i in range(start, start + n)]
 
 
 def rss_gb() -> float:
@@ -102,8 +104,10 @@ def main() -> None:
           f"({store.capacity} slots)")
     print("| N | time | queries/s | K/V at peak | K/V of unique tokens | ratio | HF generate q/s | RSS growth |")
     print("|---|---|---|---|---|---|---|---|")
+    start = 0
     for n in args.n:
-        texts = reviews(2 * n)
+        texts = reviews(2 * n, start)
+        start += 2 * n
         store.peak_used = store.used_slots
         before = store.used_slots
         asyncio.run(run_n(query, shots, texts[:n]))         # warm-up: same N, fills the trie with the prefix
