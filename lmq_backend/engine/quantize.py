@@ -10,9 +10,9 @@ the weights are stored small:
                                              (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
 
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
-(`backend/gguf_weights.py`). Up to 16 rows (decode steps) multiply in lmq's C kernel
-(`lmq_kernels.cpu.quantized_mm`), which de-quantizes in registers; more rows (prefills), or no C compiler,
-de-quantize the weight to float32 for that call and use torch's GEMM. torch's own weight-only kernels
+(`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
+(`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers; more rows (long
+prefills), or no C compiler, de-quantize the weight to float32 for that call and use torch's GEMM. torch's own weight-only kernels
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32 `torch.mm`
 on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
@@ -27,6 +27,9 @@ from lmq_kernels import cpu
 
 QUANTIZED_DTYPES = ("int8", "int4")
 GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
+# Up to this many rows (decode steps, short prefills) multiply in lmq's kernel, 16 rows a call; more
+# (long prefills) de-quantize the weight once for the call and use torch's GEMM
+KERNEL_ROWS = 64
 
 
 class QuantizedLinear(nn.Module):
@@ -66,7 +69,10 @@ class QuantizedLinear(nn.Module):
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
-        if cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
+        m = a.shape[0]
+        if m <= KERNEL_ROWS and all(  # 16 rows a call: a row's result is the same in every chunk
+                cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate)
+                for i in range(0, m, 16)):
             return
         w = self.dequantize()
         if accumulate:
