@@ -4,16 +4,21 @@ SmolLM2-135M's GEMMs (K x N: the fused step's q/k/v 576x960, o_proj 576x576, gat
 1536x576, k/v 576x192, the lm_head 576x49152) at M = 1..16 rows: float32 `torch.mm` on K-major weights
 (the fused step's layout), lmq's float32 small-M kernel where calibration chose it (`small_m_mm`), torch's
 weight-only kernels (`_weight_int8pack_mm` per channel, `_weight_int4pack_mm_for_cpu` groups of 32) and
-lmq's (`QuantizedLinear.mm`: lmq_kernels/cpu_qgemm.c, int8 per channel, int4 as Q4_1).
+lmq's (`QuantizedLinear.mm`: lmq_kernels/cpu_qgemm.c, int8 and int4 (as Q4_1) with groups of 32).
 Weights come from a ring of copies larger than the last-level cache (a decode step reads each layer's weights
 cold); the sides alternate sample by sample; process CPU time per call (the host is shared: CPU time moves
 less with the load than wall time; the clock ticks in ms, so a sample is 16 calls), median of `--reps`.
 
-Run:  python benchmarks/bench_quantized.py [--rows 1,2,4,8,16] [--reps 7] [--threads 2]
+With `--decode`: decode steps of the default model through the engine at float32, int8 and int4 (its shipped
+Q4_1), batch 1 and 8 concurrent queries (a ~450-token prompt each, 32 new tokens), the dtypes alternating
+for `--rounds` rounds; median ms per step (`on_step`), wall.
+
+Run:  python benchmarks/bench_quantized.py [--rows 1,2,4,8,16] [--reps 7] [--threads 2] [--decode [--no-gemm]]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import statistics
@@ -50,7 +55,9 @@ def sides(k: int, n: int) -> dict[str, list]:
         o = torch.empty(16, n)
         out["lmq"].append(lambda x, wk=wk, o=o: cpu.small_m_mm(x, wk.t(), o[: x.shape[0]]) or torch.mm(x, wk.t()))
         q8, q4 = QuantizedLinear.quantize(w, None, "int8"), QuantizedLinear.quantize(w, None, "int4")
-        out["t-int8"].append(lambda x, q=q8.qweight, s=q8.scales: torch.ops.aten._weight_int8pack_mm(x, q, s))
+        s8 = w.abs().amax(1) / 127                        # torch's int8 kernel: a scale per output channel
+        t8 = torch.round(w / s8[:, None]).to(torch.int8)
+        out["t-int8"].append(lambda x, q=t8, s=s8: torch.ops.aten._weight_int8pack_mm(x, q, s))
         out["t-int4"].append(torch_int4(w))
         out["int8"].append(lambda x, q=q8, o=o: q.mm(x, o[: x.shape[0]]))
         out["int4"].append(lambda x, q=q4, o=o: q.mm(x, o[: x.shape[0]]))
@@ -92,15 +99,52 @@ def measure(rows: list[int], reps: int, calls: int = 16) -> None:
                   + f"   {med['int8'] / fp:9.2f} {med['int4'] / fp:9.2f}", flush=True)
 
 
+def decode(rounds: int) -> None:
+    import lmq_backend as lmq
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from workloads import w1_reviews, w1_shots
+
+    shots, reviews = w1_shots(16), w1_reviews(8)
+    backends = {d: lmq.HFBackend("default", device="cpu", dtype=d, name=f"bench-{d}")
+                for d in ("float32", "int8", "int4")}
+    steps: list = []
+    for b in backends.values():
+        b.on_step(steps.append)
+
+    async def run(backend, n: int):
+        q = lmq.Query('"{shots}Review: {review}\\nA reply to this review:[R]" where len(TOKENS(R)) < 33',
+                      model=backend)
+        await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in reviews[:n]))
+
+    print(f"decode steps, SmolLM2-135M, ~{len(backends['int8'].tokenizer(shots).input_ids) + 20}-token rows, "
+          "median ms per step, wall (one line per round; dtypes alternate; the first round warms up)")
+    for r in range(rounds + 1):
+        line = []
+        for n in (1, 8):
+            for dtype, backend in backends.items():
+                steps.clear()
+                asyncio.run(run(backend, n))
+                t = [s.seconds for s in steps if s.kind == "decode" and s.batch_size == n]
+                line.append(f"B={n} {dtype:>7}: {statistics.median(t) * 1e3:6.1f}" if t else f"B={n} {dtype}: -")
+        print(("  warm-up " if r == 0 else "  ") + " | ".join(line), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(host_line())
-    measure([int(r) for r in args.rows.split(",")], args.reps)
+    if not args.no_gemm:
+        measure([int(r) for r in args.rows.split(",")], args.reps)
+    if args.decode:
+        decode(args.rounds)
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

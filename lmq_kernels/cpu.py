@@ -249,7 +249,7 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
 def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  out: torch.Tensor, accumulate: bool = False) -> bool:
     """out (+)= x @ W^T for a weight-only quantized W [N, K] (layouts in cpu_qgemm.c): int8 q [N, K] with
-    scale [N] (zero None), or int4 q uint8 [N, K/2] with scale (d) and zero (m) [N, K/32]; x [M, K] and out
+    scale [N, K/32] (zero None), or int4 q uint8 [N, K/2] with scale (d) and zero (m) [N, K/32]; x [M, K] and out
     [M, N] float32 with contiguous rows, M <= MAX_ROWS. Not calibrated: torch has no AVX2 kernel near it
     (benchmarks/bench_quantized.py). False (nothing computed) if it cannot run these operands."""
     m, k = x.shape
@@ -271,7 +271,7 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
         lib.lmq_qgemm_i4(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
                          out.data_ptr(), out.stride(0), m, k, n, int(accumulate), threads)
         return True
-    if q.dtype != torch.int8 or q.shape[1] != k or k % 16 or scale.shape != (n,):
+    if q.dtype != torch.int8 or q.shape[1] != k or k % 32 or scale.shape != (n, k // 32):
         return False
     lib.lmq_qgemm_i8(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), out.stride(0),
                      m, k, n, int(accumulate), threads)

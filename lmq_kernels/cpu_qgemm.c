@@ -1,6 +1,6 @@
 /* Weight-only quantized small-M GEMM for CPU decode steps: y[M, N] (+)= x[M, K] @ W^T, W [N, K] stored
  *
- *   int8   q int8 [N, K] row-major, scale [N]:              w[n, k] = q[n, k] * scale[n]
+ *   int8   q int8 [N, K] row-major, scale [N, K / 32]:      w[n, k] = q[n, k] * scale[n, g], g = k / 32
  *   int4   q uint8 [N, K / 2], d and m [N, K / 32]:          w[n, k] = d[n, g] * q + m[n, g], g = k / 32,
  *          one 16-byte block per group (GGUF's Q4_1 order): element j < 16 in the low nibble of byte j,
  *          element j >= 16 in the high nibble of byte j - 16
@@ -74,28 +74,34 @@ static inline void store_out(float *y, float s, float scale, int accumulate) {
     *y = accumulate ? __builtin_fmaf(s, scale, *y) : s * scale;
 }
 
-/* Rows [0, M) (M <= MR) x outputs [n, n + V) (V <= NB) of an int8 weight. */
+/* Rows [0, M) (M <= MR) x outputs [n, n + V) (V <= NB) of an int8 weight (a scale per group of 32). */
 static inline __attribute__((always_inline)) void block_i8(
         const float *x, long ldx, const signed char *q, long K, const float *scale,
         float *y, long ldy, const int M, const int V, long n, int accumulate) {
     vf a[MR][NB];
+    const long groups = K / GROUP;
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++) for (int j = 0; j < V; j++) a[m][j] = (vf){0};
-    for (long k = 0; k < K; k += LMQ_VL) {
-        vf w[NB];
+    for (long g = 0; g < groups; g++) {
         _Pragma("GCC unroll 8")
-        for (int j = 0; j < V; j++) w[j] = __builtin_convertvector(widen_i8(q + (n + j) * K + k), vf);
-        _Pragma("GCC unroll 8")
-        for (int m = 0; m < M; m++) {
-            const vf xv = load_f(x + m * ldx + k);
+        for (int p = 0; p < GROUP / LMQ_VL; p++) {
+            const long k = g * GROUP + p * LMQ_VL;
+            vf w[NB];
             _Pragma("GCC unroll 8")
-            for (int j = 0; j < V; j++) a[m][j] += xv * w[j];
+            for (int j = 0; j < V; j++)
+                w[j] = __builtin_convertvector(widen_i8(q + (n + j) * K + k), vf) * scale[(n + j) * groups + g];
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < M; m++) {
+                const vf xv = load_f(x + m * ldx + k);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < V; j++) a[m][j] += xv * w[j];
+            }
         }
     }
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++)
         _Pragma("GCC unroll 8")
-        for (int j = 0; j < V; j++) store_out(y + m * ldy + n + j, lanes_sum(a[m][j]), scale[n + j], accumulate);
+        for (int j = 0; j < V; j++) store_out(y + m * ldy + n + j, lanes_sum(a[m][j]), 1.0f, accumulate);
 }
 
 /* The same for an int4 weight (see the top for its layout). */

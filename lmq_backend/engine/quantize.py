@@ -1,11 +1,11 @@
-"""Weight-only quantized linear layers for the CPU: int8 (per output channel) and int4 (groups of 32).
+"""Weight-only quantized linear layers for the CPU: int8 and int4, a scale per group of 32 weights along K.
 
 `QuantizedLinear` replaces a model's `nn.Linear` (or GPT-2's `Conv1D`) modules (`quantize_model`); the
 model's own forward (prefills, non-Llama models) calls it like the module it replaced, and the fused decode
 step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`. Activations stay float32; only
 the weights are stored small:
 
-    int8   w = q * scale[n]                  q int8 [N, K], scale [N]
+    int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
     int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
                                              (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
 
@@ -41,7 +41,7 @@ class QuantizedLinear(nn.Module):
         assert kind in QUANTIZED_DTYPES and (zeros is None) == (kind == "int8"), kind
         self.kind, self.in_features = kind, int(in_features)
         self.register_buffer("qweight", qweight.contiguous())   # int8 [N, K] | uint8 [N, K/2]
-        self.register_buffer("scales", scales.contiguous())     # [N] | d [N, K/32]
+        self.register_buffer("scales", scales.contiguous())     # [N, K/32] | d [N, K/32]
         self.register_buffer("zeros", None if zeros is None else zeros.contiguous())  # m [N, K/32]
         self.register_buffer("bias", bias)
         self.out_features = int(qweight.shape[0])
@@ -56,9 +56,9 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]."""
-        if self.kind == "int8":
-            return self.qweight.float() * self.scales[:, None]
         n, k = self.shape
+        if self.kind == "int8":
+            return (self.qweight.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scales[..., None]).view(n, k)
         b = self.qweight.view(n, k // GROUP_SIZE, 16)
         q = torch.cat([b & 15, b >> 4], dim=-1).float()                             # [N, K/32, 32]
         return torch.addcmul(self.zeros[..., None], q, self.scales[..., None]).view(n, k)
@@ -91,19 +91,19 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantizedLinear":
-        """Quantize a float weight [N, K]: int8 symmetric per row (scale = max |w| / 127); int4 asymmetric per
-        group of 32 along K (d = (max - min) / 15, m = min, as Q4_1)."""
+        """Quantize a float weight [N, K] per group of 32 along K: int8 symmetric (scale = max |w| / 127, as
+        GGUF's Q8_0), int4 asymmetric (d = (max - min) / 15, m = min, as Q4_1)."""
         w = weight.detach().float()
         n, k = w.shape
         b = None if bias is None else bias.detach().float().clone()
         tiny = torch.finfo(torch.float32).tiny
-        if kind == "int8":
-            scale = (w.abs().amax(1) / 127).clamp_min(tiny)
-            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            return cls("int8", q, scale, None, b, k)
-        if kind != "int4":
+        if kind not in QUANTIZED_DTYPES:
             raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
         g = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        if kind == "int8":
+            scale = (g.abs().amax(-1) / 127).clamp_min(tiny)
+            q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+            return cls("int8", q, scale, None, b, k)
         lo, hi = g.amin(-1), g.amax(-1)
         d = ((hi - lo) / 15).clamp_min(tiny)
         q = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
@@ -136,14 +136,14 @@ class QuantizedLinear(nn.Module):
 def quantize_model(model, kind: str) -> int:
     """Replace the model's `nn.Linear` and GPT-2 `Conv1D` modules (the LM head included) by `QuantizedLinear`
     of `kind` ("int8" or "int4"), in place; embeddings and norms stay float32. A layer whose K is not a multiple
-    of 32 (int4) or 16 (int8) stays float. The model must be float32 on the CPU. Returns how many were replaced."""
+    of 32 stays float. The model must be float32 on the CPU. Returns how many were replaced."""
     if kind not in QUANTIZED_DTYPES:
         raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             weight = _float_weight(child)
-            if weight is None or weight.shape[1] % (GROUP_SIZE if kind == "int4" else 16):
+            if weight is None or weight.shape[1] % GROUP_SIZE:
                 continue
             setattr(parent, name, QuantizedLinear.quantize(weight, child.bias, kind))
             replaced += 1
