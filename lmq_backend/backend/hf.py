@@ -74,6 +74,24 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
         raise LMQBackendError(f"unknown dtype {dtype!r}") from None
 
 
+_frozen = False
+
+
+def _freeze_once() -> None:
+    """After the process's first backend is set up, what is alive (the model, tokenizer and vocabulary
+    index: ~400K objects) goes out of the collector's sight, so a full collection no longer walks it (one
+    took 0.45 s in the middle of 256 concurrent calls on the CPU); vLLM does the same after its start-up.
+    Once a process, after a collection: a frozen object is never collected, so freezing at every backend
+    would keep each earlier backend that was dropped (a test run grew to 21 GB). Unfrozen at exit, so the
+    interpreter's teardown collects it (else nanobind, under triton, reports every binding it lost)."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)
+
+
 class HFBackend(Backend):
     """A local Hugging Face causal LM: `HFBackend("path/or/dir", device=, dtype=, cache_budget=)`.
 
@@ -141,13 +159,7 @@ class HFBackend(Backend):
         self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
         self.reset_stats()
-        # What exists now (the model, the tokenizer, the vocabulary index: ~400K objects) lives as long as the
-        # process: out of the collector's sight, a full collection no longer walks it (one cost 0.45 s in the
-        # middle of 256 concurrent calls on the CPU). vLLM freezes after its start-up for the same reason.
-        gc.freeze()
-        atexit.unregister(gc.unfreeze)
-        atexit.register(gc.unfreeze)  # back in the collector's sight for the interpreter's teardown (else
-        #                               nanobind, under triton, reports every binding it was not given back)
+        _freeze_once()
 
     # ----- protocol --------------------------------------------------------------------------------
 
