@@ -10,15 +10,16 @@ normalizer but NFC, whose pre-tokenizer (GPT-2's, Llama-3's or Qwen's regular ex
 cuts the text into pieces that BPE never merges across, and whose added tokens contain no newline. Their
 regular expressions never match a newline followed by a non-space character within one piece, and decide
 every piece before that point from the characters up to it. So at a *cut* `c` (text[c - 1] is "\\n",
-neither text[c - 2] nor text[c] is a space) the ids of any text starting with text[:c + 1] are the ids of text[:c] followed
-by the ids of the rest, tokenized alone. The cuts are chosen from the prefix alone (the first one at
-least max(STEP, c / SPREAD) characters after the previous cut c), so two texts sharing a prefix share its
-cuts, and the ids before a cut are stored under text[:c + 1].
+neither text[c - 2] nor text[c] is a space) the ids of any text starting with text[:c + 1] are the ids of
+text[:c] followed by the ids of the rest, tokenized alone. (A newline that ends a longer run of whitespace
+is no cut: an added token starting at c splits the text before the pre-tokenizer runs, and "\\n\\n\\n"
+before it is one piece where before "<" it is two; a lone newline is one piece either way.) The cuts are
+chosen from the prefix alone (the first one at least max(STEP, c / SPREAD) characters after the previous
+cut c), so two texts sharing a prefix share its cuts, and the ids before a cut are stored under
+text[:c + 1].
 
 A text whose ids do not add up to its bytes (a tokenizer the rule above does not describe) is never
-stored, and tests compare the result with the tokenizer's own on random texts. (A newline that ends a longer
-run of whitespace is no cut: an added token starting at c splits the text before the pre-tokenizer runs,
-and "\\n\\n\\n" before it is one piece where before "<" it is two; a lone newline is one piece either way.)
+stored, and tests compare the result with the tokenizer's own on random texts.
 """
 from __future__ import annotations
 
