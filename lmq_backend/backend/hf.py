@@ -214,13 +214,11 @@ class HFBackend(Backend):
         return [sum(lps) for lps in per_token]
 
     async def next_tokens(self, seq: Sequence, tokens: list[int], k: int, allowed, can_end: bool) -> NextTokens:
-        extendable = self._extendable if allowed is None else allowed & self._extendable
-        if not extendable.any():
+        extendable, extends = self._extendable_under(allowed)
+        if not extends:
             return NextTokens([], [], 0.0 if can_end else None)
-        if len(seq.ids) + len(tokens) >= seq.max_len:
-            if can_end:
-                return NextTokens([], [], 0.0)
-            self._check_length(seq, len(seq.ids) + len(tokens) + 1)
+        if self._ends_at_max_len(seq, len(seq.ids) + len(tokens), can_end):
+            return NextTokens([], [], 0.0)
         # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
         # waits for the other beams' choices, so the batch's decode steps never wait for it
         logits, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True))
@@ -292,6 +290,22 @@ class HFBackend(Backend):
         if seq.handle is not None:
             self.trie.unpin(seq.handle)
         seq.handle = node
+
+    def _extendable_under(self, allowed: np.ndarray | None) -> tuple[np.ndarray, bool]:
+        """The tokens that may extend a value where `allowed` (None: every token) are, and whether one may."""
+        if allowed is None:
+            return self._extendable, self._extendable_any
+        extendable = allowed & self._extendable
+        return extendable, bool(extendable.any())
+
+    def _ends_at_max_len(self, seq: Sequence, n: int, can_end: bool) -> bool:
+        """Must a value with the prompt at `n` tokens end here (max_len)? Raises the length error where the
+        value cannot end."""
+        if n < seq.max_len:
+            return False
+        if not can_end:
+            self._check_length(seq, n + 1)
+        return True
 
     def _greedy_mask(self, pick) -> int | None:
         """Which of the runner's greedy masks `pick` is (a greedy pick under it may come from the device)."""

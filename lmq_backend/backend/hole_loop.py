@@ -44,20 +44,13 @@ class HoleLoop:
         """The checks before the next pick: False if the hole ends without one; raises if it cannot end."""
         b, state = self.backend, self.state
         allowed, can_end = state.allowed(), state.can_end()
-        if allowed is None:
-            extendable, extends = b._extendable, b._extendable_any
-        else:
-            extendable = allowed & b._extendable
-            extends = extendable.any()
+        extendable, extends = b._extendable_under(allowed)
         if not extends:
             if can_end:
                 return False  # closed: no token can extend the value, so no forward is needed
             raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
-        n = self.prompt_len + len(self.generated)
-        if n >= self.seq.max_len:
-            if can_end:
-                return False
-            b._check_length(self.seq, n + 1)
+        if b._ends_at_max_len(self.seq, self.prompt_len + len(self.generated), can_end):
+            return False
         if can_end:
             pick = b._pick_all
         else:  # the mask of an unconstrained step is on the device already
