@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -54,9 +55,9 @@ log = logging.getLogger("lmq_kernels.cpu")
 # The rows the GEMM takes (calibration then decides per row bucket whether it or BLAS runs them): one row
 # is BLAS's GEMV, as fast or faster on some hosts; above 16 rows BLAS's blocked GEMM is faster
 MIN_ROWS, MAX_ROWS = 1, 16
-# Attention: at least ATTENTION_MIN_ROWS rows (one row is only Hkv tasks, too few to share between the
-# threads: torch's attention is as fast there), head dims it is built for
-ATTENTION_MIN_ROWS, ATTENTION_HEAD_DIMS = 2, (64, 128, 256)
+# Attention: any row count (calibration decides; one row is only Hkv tasks to share between the threads, but
+# torch's side gathers the row's columns first), head dims it is built for
+ATTENTION_MIN_ROWS, ATTENTION_HEAD_DIMS = 1, (64, 128, 256)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -166,9 +167,18 @@ def _load() -> ctypes.CDLL | None:
         return None
     with _lock:
         if _lib is None:
-            _calibration = Calibration(directory / f"cpu_kernels-{key}.calibration.json", key)
+            # keyed by the library and by what the calibration times (cpu_benches.py): a changed benchmark
+            # measures again
+            _calibration = Calibration(directory / f"cpu_kernels-{key}.calibration.json", f"{key}-{_benches_key()}")
             _lib = lib
     return _lib
+
+
+def _benches_key() -> str:
+    try:
+        return hashlib.sha256(Path(_benches.__file__).read_bytes()).hexdigest()[:8]
+    except OSError:
+        return ""
 
 
 def available() -> bool:

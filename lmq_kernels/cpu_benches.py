@@ -84,7 +84,7 @@ def attention(lmq, b: int, hq: int, hkv: int, d: int, s: int):
     start = torch.randint(0, max(1, s // 4), (b,), dtype=torch.int32)
     start[0] = 0
     allowed = (torch.arange(s)[None] >= start[:, None])[:, None, None]                   # [b, 1, 1, s]
-    cols = table.long()
+    cols = table.view(-1)
     nxt = _Next(store.shape[0])
     scale = d ** -0.5
 
@@ -94,7 +94,8 @@ def attention(lmq, b: int, hq: int, hkv: int, d: int, s: int):
 
     def torch_side():
         kv = store[nxt()]
-        k, v = kv[0][cols].transpose(1, 2), kv[1][cols].transpose(1, 2)                  # [b, hkv, s, d]
+        k = kv[0].index_select(0, cols).view(b, s, hkv, d).transpose(1, 2)               # [b, hkv, s, d]
+        v = kv[1].index_select(0, cols).view(b, s, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=allowed, scale=scale)
         out.copy_(o.reshape(b, hq, d))
 

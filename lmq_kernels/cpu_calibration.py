@@ -114,7 +114,7 @@ class Calibration:
             if not isinstance(data, dict) or data.get("version") != VERSION:
                 why = "another format"
             elif data.get("key") != self.key:
-                why = "made for another library build"
+                why = "made for another library build or benchmark"
             elif data.get("torch") != torch.__version__:
                 why = f"made with torch {data.get('torch')}"
             elif not isinstance(data.get("choices"), dict) or not all(

@@ -35,9 +35,9 @@ The weights are laid out once per model (`weights.py`), the ops run on Triton ke
 C kernels (`ops.py`).
 
 On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small
-ops, the GEMMs of 2-8 rows and the attention of 2 rows or more (torch ops where the library cannot be
-built), and torch's grouped-query attention over the pool's columns [min(start), end] read in place for one
-row (`attention.py`); the weights are the model's own, stored K-major (see `weights.py`). There it replaces
+ops, the GEMMs of 2-8 rows and the attention where calibration measured them faster (torch ops elsewhere, and
+where the library cannot be built: torch's grouped-query attention over the pool's columns [min(start), end]
+gathered, `attention.py`); the weights are the model's own, stored K-major (see `weights.py`). There it replaces
 Hugging Face's forward for decode steps too (SmolLM2-135M, 500-token context, 2 cores: 39 vs 47 ms a step
 at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
 """
@@ -118,16 +118,18 @@ class FusedDecoder(GraphSteps, Prefill):
             self._allowed = (cols[None] >= self.start[:bp, None])[:, None, None]  # [bp, 1, 1, end1 - first]
 
     def _attend_cpu(self, l: int, bp: int, scaling: float) -> None:
-        """Attention over columns [first, end] of the rows' page tables: 2 rows or more through lmq's C
-        kernel (`lmq_kernels.cpu.attention`: each row from its own first column, K/V read through the table
+        """Attention over columns [first, end] of the rows' page tables: lmq's C kernel where calibration
+        chose it (`lmq_kernels.cpu.attention`: each row from its own first column, K/V read through the table
         in place), else the model's CPU attention (`attention.py`) over the gathered columns (padding columns
         point at the store's zero slot)."""
         first, end1 = self._first_int, self._end_int + 1
         kc, vc = self.k_cache[l], self.v_cache[l]
         if cpu.attention(self.q[:bp], kc, vc, self.table[:bp, first:end1], self._starts, self.attn[:bp], scaling):
             return
-        cols = self.table[:bp, first:end1].long()
-        k, v = kc[cols].transpose(1, 2), vc[cols].transpose(1, 2)                # [bp, H_kv, S, D]
+        cols = self.table[:bp, first:end1].reshape(-1)     # index_select: advanced indexing kc[cols] took
+        s = end1 - first                                    # 0.3-1.9 ms a layer for one row of 400-600 columns
+        k = kc.index_select(0, cols).view(bp, s, *kc.shape[1:]).transpose(1, 2)  # [bp, H_kv, S, D]
+        v = vc.index_select(0, cols).view(bp, s, *vc.shape[1:]).transpose(1, 2)
         out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._allowed, scaling)  # [bp, 1, Hq, D]
         self.attn[:bp].copy_(out[:, 0])
 
