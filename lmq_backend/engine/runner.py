@@ -36,7 +36,7 @@ class ModelRunner:
     `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
     the growable pool on the CPU; on a GPU their prefills run its layer loop too (`fused_prefill`). Other
     models, and CPU prefills, run the model's own forward. `weights_folder`: the folder the model was just
-    loaded from, unchanged since; its CPU layout then starts from K-major weights kept on disk
+    loaded from, unchanged since; its CPU layout is then kept on disk and taken from there
     (`fused/weight_cache.py`)."""
 
     def __init__(self, model, max_batch: int = 64, fused: bool | None = None, fused_prefill: bool | None = None,
@@ -58,10 +58,11 @@ class ModelRunner:
             raise ValueError("fused_prefill needs the fused decoder (a supported Llama-family model)")
         if fused:  # lay the weights out now: every forward, the first prefill included, reads the same layout
             if weights_folder is not None:
-                from .fused.weight_cache import use_k_major
+                from .fused.weight_cache import laid_out
 
-                use_k_major(model, weights_folder)
-            _fused_module().decoder_weights(model)
+                laid_out(model, weights_folder)
+            else:
+                _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None

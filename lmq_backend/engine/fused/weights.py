@@ -3,7 +3,9 @@
 Per decoder layer (`_Layer`): the q/k/v projections as one [(Hq + 2 H_kv) D, hidden] matrix and their biases
 as one vector, gate and up as one [2 I, hidden] matrix, the norms, o_proj and down_proj as they are. On a
 GPU the concatenations are copies; on the CPU every matrix is stored K-major and the model's own Linear
-modules are re-pointed to views of it. Made once per model (`decoder_weights`).
+modules are re-pointed to views of it. Made once per model (`decoder_weights`). The CPU layout's K-major
+buffers are named (`_Weights.k_major`: "layers.3.qkv", "lm_head.tied", ...); `prepared` buffers of those
+names (the same values, kept on disk by `weight_cache.py`) are taken as they are instead of filled.
 
 A weight-only quantized model (`engine/quantize.py`: its Linear modules are `QuantizedLinear`) keeps them:
 each matrix of the layout is then a `QuantizedLinear` (q/k/v and gate/up stacked copies), which `LayerOps._mm`
@@ -80,12 +82,14 @@ def _k_major(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- keeping the layout
 
-def _bind(dest: torch.Tensor, module, name: str = "weight", *, share: bool, also=()) -> torch.Tensor:
+def _bind(dest: torch.Tensor, module, name: str = "weight", *, share: bool, also=(), filled: bool = False
+          ) -> torch.Tensor:
     """Make `dest` (a laid-out tensor, or a view of one) hold `module.<name>`, now and after every
     `load_state_dict` that reaches `module` or a module in `also` (their load post-hooks place it again).
     `share`: `dest` becomes the parameter's storage, so that every write to the parameter reaches the fused
-    step; else `dest` is a copy, which only a load refreshes. Returns `dest`."""
-    _place(dest, module, name, share)
+    step; else `dest` is a copy, which only a load refreshes. `filled`: `dest` holds the parameter's values
+    already (a prepared buffer), so placing it now copies nothing. Returns `dest`."""
+    _place(dest, module, name, share, filled)
     for m in (module, *also):
         if "_lmq_bindings" not in vars(m):
             m._lmq_bindings = []
@@ -94,11 +98,12 @@ def _bind(dest: torch.Tensor, module, name: str = "weight", *, share: bool, also
     return dest
 
 
-def _place(dest: torch.Tensor, module, name: str, share: bool) -> None:
+def _place(dest: torch.Tensor, module, name: str, share: bool, filled: bool = False) -> None:
     param = getattr(module, name)
     if param.data_ptr() == dest.data_ptr() and param.stride() == dest.stride():
         return  # the parameter is `dest`: a load wrote into it
-    dest.copy_(param)  # a copy, or a parameter a load replaced (`assign=True`)
+    if not filled:
+        dest.copy_(param)  # a copy, or a parameter a load replaced (`assign=True`)
     if share:
         param.data = dest
         if not dest.is_contiguous() and not getattr(module, "_lmq_contiguous_state", False):
@@ -119,25 +124,50 @@ def _contiguous_weight_state(module, state_dict, prefix, local_metadata) -> None
         state_dict[key] = state_dict[key].contiguous()
 
 
-def _share(module, k_major: bool = False) -> torch.Tensor:
-    """The module's weight as the fused step reads it: the parameter's own storage (`k_major`: moved to a
-    K-major buffer, which the parameter then views)."""
+class _Buffers:
+    """The K-major buffers of a CPU layout by name (`made`); a `prepared` one of the same shape, dtype, strides
+    and device is taken instead of a new one (`adopted`: its values are the parameters' already)."""
+
+    def __init__(self, prepared: dict[str, torch.Tensor] | None):
+        self.prepared = prepared or {}
+        self.made: dict[str, torch.Tensor] = {}
+        self.adopted: set[str] = set()
+
+    def k_major(self, key: str, shape: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """An [N, K] K-major buffer for `key`, and whether it is filled already."""
+        t = self.prepared.get(key)
+        filled = (t is not None and tuple(t.shape) == tuple(shape) and t.dtype == like.dtype
+                  and t.device == like.device and t.stride() == (1, shape[0]))
+        if filled:
+            self.adopted.add(key)
+        self.made[key] = t if filled else _k_major(shape, like)
+        return self.made[key], filled
+
+
+def _share(module, buffers: _Buffers | None = None, key: str = "") -> torch.Tensor:
+    """The module's weight as the fused step reads it: the parameter's own storage (with `buffers`: moved to
+    a K-major buffer named `key`, which the parameter then views)."""
     w = module.weight
-    return _bind(_k_major(w.shape, w) if k_major else w.detach(), module, share=True)
+    if buffers is None:
+        return _bind(w.detach(), module, share=True)
+    dest, filled = buffers.k_major(key, tuple(w.shape), w)
+    return _bind(dest, module, share=True, filled=filled)
 
 
-def _stacked(modules, k_major: bool, name: str = "weight") -> torch.Tensor:
+def _stacked(modules, buffers: _Buffers | None = None, key: str = "", name: str = "weight") -> torch.Tensor:
     """The modules' `name` parameters (weights [N_i, K], or biases [N_i]: zeros where one has none)
-    concatenated along N; K-major weights are the modules' own (they view it), everything else a copy."""
+    concatenated along N; K-major weights (with `buffers`, named `key`) are the modules' own (they view
+    it), everything else a copy."""
     rows = [m.out_features for m in modules]
     param = next(getattr(m, name) for m in modules if getattr(m, name) is not None)
     shape = (sum(rows), *param.shape[1:])
-    out = _k_major(shape, param) if k_major else param.new_empty(shape)
-    out.zero_()
+    out, filled = buffers.k_major(key, shape, param) if buffers is not None else (param.new_empty(shape), False)
+    if any(getattr(m, name) is None for m in modules):
+        out.zero_()
     row = 0
     for m, n in zip(modules, rows):
         if getattr(m, name) is not None:
-            _bind(out[row:row + n], m, name, share=k_major)
+            _bind(out[row:row + n], m, name, share=buffers is not None, filled=filled)
         row += n
     return out
 
@@ -151,7 +181,7 @@ class _Layer:
     own Linear modules are re-pointed to views of them: one copy of the weights in memory, and the model's
     forward (prefills) reads the faster layout too. The q/k/v biases are concatenated copies."""
 
-    def __init__(self, layer, k_major: bool = False):
+    def __init__(self, layer, buffers: _Buffers | None = None, key: str = ""):
         attn, mlp = layer.self_attn, layer.mlp
         self.in_norm = _share(layer.input_layernorm)
         self.post_norm = _share(layer.post_attention_layernorm)
@@ -161,11 +191,11 @@ class _Layer:
             self.wqkv, self.wgu = QuantizedLinear.stack(qkv), QuantizedLinear.stack(gu)
             self.wo, self.wdown = attn.o_proj, mlp.down_proj
         else:
-            self.wqkv = _stacked(qkv, k_major)              # [(Hq + 2 H_kv) D, hidden]
-            self.wgu = _stacked(gu, k_major)                # [2 I, hidden]
-            self.wo = _share(attn.o_proj, k_major)          # [hidden, Hq D]
-            self.wdown = _share(mlp.down_proj, k_major)     # [hidden, I]
-        self.bqkv = _stacked(qkv, False, "bias") if any(m.bias is not None for m in qkv) else None
+            self.wqkv = _stacked(qkv, buffers, key + "qkv")          # [(Hq + 2 H_kv) D, hidden]
+            self.wgu = _stacked(gu, buffers, key + "gate_up")        # [2 I, hidden]
+            self.wo = _share(attn.o_proj, buffers, key + "o")        # [hidden, Hq D]
+            self.wdown = _share(mlp.down_proj, buffers, key + "down")  # [hidden, I]
+        self.bqkv = _stacked(qkv, name="bias") if any(m.bias is not None for m in qkv) else None
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = _share(qn) if qn is not None else None
         self.k_norm = _share(kn) if kn is not None else None
@@ -176,15 +206,17 @@ class _Layer:
 class _Weights:
     """A model's weights as the fused step reads them, built once per model (a decoder is rebuilt whenever
     a growable CPU pool is reallocated). Weights loaded into the model later (`load_state_dict`) reach them
-    in place: the tensors, and the CUDA graphs captured on them, stay valid."""
+    in place: the tensors, and the CUDA graphs captured on them, stay valid. `k_major`: the CPU layout's
+    K-major buffers by name, `adopted`: those of them taken from `prepared`."""
 
-    def __init__(self, model):
+    def __init__(self, model, prepared: dict[str, torch.Tensor] | None = None):
         k_major = next(model.parameters()).device.type == "cpu"
+        buffers = _Buffers(prepared) if k_major else None
         for m in model.modules():  # a copy of a laid-out model (deepcopy) comes with the original's bindings
             if "_lmq_bindings" in vars(m):
                 m._lmq_bindings.clear()
         with torch.inference_mode(False), torch.no_grad():  # loads write into these tensors outside inference mode
-            self.layers = [_Layer(layer, k_major) for layer in model.model.layers]
+            self.layers = [_Layer(layer, buffers, f"layers.{i}.") for i, layer in enumerate(model.model.layers)]
             embed = model.model.embed_tokens
             self.embed = _share(embed)                      # [V, hidden]
             self.final_norm = _share(model.model.norm)
@@ -195,9 +227,12 @@ class _Weights:
             elif not k_major:
                 self.lm_head = self.embed if tied else _share(head)
             elif not tied:
-                self.lm_head = _share(head, k_major=True)
+                self.lm_head = _share(head, buffers, "lm_head")
             else:  # a K-major copy of our own: the embedding's row lookups need its rows contiguous
-                self.lm_head = _bind(_k_major(embed.weight.shape, embed.weight), embed, share=False, also=(head,))
+                dest, filled = buffers.k_major("lm_head.tied", tuple(embed.weight.shape), embed.weight)
+                self.lm_head = _bind(dest, embed, share=False, also=(head,), filled=filled)
+        self.k_major = buffers.made if buffers is not None else {}
+        self.adopted = buffers.adopted if buffers is not None else set()
         self.final_eps = float(model.model.norm.variance_epsilon)
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
 
@@ -205,12 +240,13 @@ class _Weights:
 _WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_weights(model) -> _Weights:
+def decoder_weights(model, prepared: dict[str, torch.Tensor] | None = None) -> _Weights:
     """The model's weights laid out for the fused step (once per model; on the CPU this re-points the model's
     own Linear weights, see `_Layer`). They follow the model's `load_state_dict`; other writes to its weights
     reach the fused step where it shares the parameters' storage (everything but the concatenated copies:
-    q/k/v and gate/up on a GPU, q/k/v biases, a tied LM head on the CPU)."""
+    q/k/v and gate/up on a GPU, q/k/v biases, a tied LM head on the CPU). `prepared`: K-major buffers with
+    the values the layout would copy into them (`weight_cache.py`'s promise), taken as they are."""
     w = _WEIGHTS.get(model)
     if w is None:
-        w = _WEIGHTS[model] = _Weights(model)
+        w = _WEIGHTS[model] = _Weights(model, prepared)
     return w
