@@ -96,6 +96,18 @@ def test_the_key_changes_with_what_the_index_is_built_from(tokenizer_folder, mon
     source.write_text("# another version of the index's code\n")
     monkeypatch.setattr(vocab_cache.vocab_module, "__file__", str(source))
     assert vocab_cache.cache_key(tokenizer_folder, 49152) != key
+    key = vocab_cache.cache_key(tokenizer_folder, 49152)
+    stored = tmp_path / "vocab_cache.py"
+    stored.write_text("# another way to store the index\n")
+    monkeypatch.setattr(vocab_cache, "__file__", str(stored))
+    assert vocab_cache.cache_key(tokenizer_folder, 49152) != key
+    import tokenizers
+    import transformers
+
+    for library in (transformers, tokenizers):
+        key = vocab_cache.cache_key(tokenizer_folder, 49152)
+        monkeypatch.setattr(library, "__version__", library.__version__ + ".other")
+        assert vocab_cache.cache_key(tokenizer_folder, 49152) != key, library.__name__
 
 
 QUERY = '''argmax

@@ -2,9 +2,10 @@
 
 `vocab_index(tokenizer, size)` is `VocabIndex.for_tokenizer(tokenizer, size)`, loaded from
 `<cache_dir>/vocab/<key>.pkl` when the tokenizer was loaded from a folder. The key is a hash of
-everything the index is computed from: the folder's tokenizer files, `size`, and the source of
-`runtime/vocab.py` (a change to how the index is built invalidates every entry), plus the Python and
-numpy versions (pickle). A missing, stale or unreadable entry is rebuilt; a failure to write is ignored.
+everything the index is computed from: the folder's tokenizer files, `size`, the source of
+`runtime/vocab.py` and of this file (a change to how the index is built or stored invalidates every entry),
+the transformers and tokenizers versions (which decode the tokens), plus the Python and numpy versions
+(pickle). A missing, stale or unreadable entry is rebuilt; a failure to write is ignored.
 """
 from __future__ import annotations
 
@@ -45,9 +46,14 @@ def cache_key(folder: Path, size: int) -> str:
         f = folder / name
         if f.exists():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(Path(vocab_module.__file__).read_bytes())
-    h.update(f"{size}|{sys.version_info[:2]}|{np.__version__}".encode())
+    h.update(Path(vocab_module.__file__).read_bytes() + Path(__file__).read_bytes())
+    h.update(f"{size}|{sys.version_info[:2]}|{np.__version__}|{_library_versions()}".encode())
     return h.hexdigest()[:32]
+
+
+def _library_versions() -> str:
+    """transformers' and tokenizers' versions: the tokens' bytes are what their decoding gives."""
+    return "|".join(getattr(sys.modules.get(name), "__version__", "-") for name in ("transformers", "tokenizers"))
 
 
 def _state(index: VocabIndex) -> dict:
