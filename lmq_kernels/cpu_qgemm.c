@@ -27,7 +27,7 @@
 #ifndef LMQ_QGEMM_NB
 #define LMQ_QGEMM_NB 2
 #endif
-#define MR LMQ_QGEMM_MR   /* rows per pass (up to 4) */
+#define MR LMQ_QGEMM_MR   /* rows per pass below 8 rows (up to 4) */
 #define NB LMQ_QGEMM_NB   /* outputs per register block (up to 4) */
 #define GROUP 32      /* int4 weights per (d, m) */
 #define QSERIAL_BELOW (1L << 17)   /* weights of fewer elements run on one thread */
@@ -78,7 +78,7 @@ static inline void store_out(float *y, float s, float scale, int accumulate) {
 static inline __attribute__((always_inline)) void block_i8(
         const float *x, long ldx, const signed char *q, long K, const float *scale,
         float *y, long ldy, const int M, const int V, long n, int accumulate) {
-    vf a[MR][NB];
+    vf a[8][NB];
     const long groups = K / GROUP;
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++) for (int j = 0; j < V; j++) a[m][j] = (vf){0};
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void block_i8(
 static inline __attribute__((always_inline)) void block_i4(
         const float *x, long ldx, const unsigned char *q, long K, const float *d, const float *mn,
         float *y, long ldy, const int M, const int V, long n, int accumulate) {
-    vf a[MR][NB];
+    vf a[8][NB];
     const long groups = K / GROUP;
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++) for (int j = 0; j < V; j++) a[m][j] = (vf){0};
@@ -143,8 +143,12 @@ static inline __attribute__((always_inline)) void block_i4(
 
 #define PASS_I8(R, V) block_i8(x + m0 * ldx, ldx, q, K, scale, y + m0 * ldy, ldy, R, V, n, accumulate)
 #define PASS_I4(R, V) block_i4(x + m0 * ldx, ldx, q, K, d, mn, y + m0 * ldy, ldy, R, V, n, accumulate)
-#define ROWS(PASS, V) for (int m0 = 0; m0 < M; m0 += MR) { const int r = M - m0 < MR ? M - m0 : MR; \
-        if (r >= 4) PASS(4, V); else if (r == 3) PASS(3, V); else if (r == 2) PASS(2, V); else PASS(1, V); }
+/* 8 rows at once one output at a time (the weight de-quantized once for 8 rows: 8 accumulators, the weight's
+ * two vectors, x's two, d and m in 16 registers), then the rest MR rows x V outputs at a time */
+#define ROWS(PASS, V) { int m0 = 0; \
+        for (; M - m0 >= 8; m0 += 8) for (int j = 0; j < V; j++) { n += j; PASS(8, 1); n -= j; } \
+        for (; m0 < M; m0 += MR) { const int r = M - m0 < MR ? M - m0 : MR; \
+        if (r >= 4) PASS(4, V); else if (r == 3) PASS(3, V); else if (r == 2) PASS(2, V); else PASS(1, V); } }
 #define ROWS_I8(V) ROWS(PASS_I8, V)
 #define ROWS_I4(V) ROWS(PASS_I4, V)
 
@@ -155,7 +159,7 @@ void lmq_qgemm_i8(const float *x, long ldx, const signed char *q, const float *s
     if (K * N < QSERIAL_BELOW) threads = 1;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long b = 0; b < blocks; b++) {
-        const long n = b * NB;
+        long n = b * NB;
         if (N - n >= NB) { ROWS_I8(NB) } else if (N - n == 3) { ROWS_I8(3) }
         else if (N - n == 2) { ROWS_I8(2) } else { ROWS_I8(1) }
     }
@@ -168,7 +172,7 @@ void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float 
     if (K * N < QSERIAL_BELOW) threads = 1;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long b = 0; b < blocks; b++) {
-        const long n = b * NB;
+        long n = b * NB;
         if (N - n >= NB) { ROWS_I4(NB) } else if (N - n == 3) { ROWS_I4(3) }
         else if (N - n == 2) { ROWS_I4(2) } else { ROWS_I4(1) }
     }
