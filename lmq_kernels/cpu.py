@@ -2,6 +2,7 @@
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
     quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8/int4 (cpu_qgemm.c)
+    dequantize(q, scale, zero, out) -> bool                          out = W as float32 (cpu_qgemm.c)
     attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     rmsnorm(x, w, eps, out), silu_mul(gu, out), rope_append(...) -> bool   the step's small ops (cpu_ops.c)
 
@@ -47,7 +48,7 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "quantized_mm", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
+__all__ = ["small_m_mm", "quantized_mm", "dequantize", "attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
            "use", "mode", "choose", "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
@@ -106,6 +107,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.argtypes = [ptr, c_long, ptr, ptr, *([ptr] if f is lib.lmq_qgemm_i4 else []), ptr, c_long,
                       c_int, c_long, c_long, c_int, c_int]
         f.restype = None
+    lib.lmq_dequant_i8.argtypes = [ptr, ptr, ptr, c_long, c_long, c_int]
+    lib.lmq_dequant_i4.argtypes = [ptr, ptr, ptr, ptr, c_long, c_long, c_int]
+    lib.lmq_dequant_i8.restype = lib.lmq_dequant_i4.restype = None
     lib.lmq_gemm_shape.argtypes = [ptr]
     lib.lmq_gemm_shape.restype = None
     return lib
@@ -260,8 +264,10 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
                  out: torch.Tensor, accumulate: bool = False) -> bool:
     """out (+)= x @ W^T for a weight-only quantized W [N, K] (layouts in cpu_qgemm.c): int8 q [N, K] with
     scale [N, K/32] (zero None), or int4 q uint8 [N, K/2] with scale (d) and zero (m) [N, K/32]; x [M, K] and out
-    [M, N] float32 with contiguous rows, M <= MAX_ROWS. Not calibrated: torch has no AVX2 kernel near it
-    (benchmarks/bench_quantized.py). False (nothing computed) if it cannot run these operands."""
+    [M, N] float32 with contiguous rows, M <= MAX_ROWS. Calibrated against what runs otherwise: the weight
+    de-quantized (`dequantize`) and torch's GEMM (torch's own weight-only kernels measured 20-40x slower than
+    that on AVX2: benchmarks/bench_quantized.py). False (nothing computed) if it cannot run these operands or
+    the other way is the faster here."""
     m, k = x.shape
     if not MIN_ROWS <= m <= MAX_ROWS:
         return False
@@ -270,21 +276,48 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
         return False
     n = q.shape[0]
     int4 = q.dtype == torch.uint8
-    if (not _rows_ok(x, out) or out.shape != (m, n) or not q.is_contiguous() or not scale.is_contiguous()
-            or scale.dtype != torch.float32 or (zero is None) == int4):
+    if (not _rows_ok(x, out) or out.shape != (m, n) or not _quantized_ok(q, scale, zero, k)):
         return False
     threads = torch.get_num_threads()
+    if not choose("qgemm_i4" if int4 else "qgemm_i8", (threads, _up(m), _up(k), _up(n)),
+                  lambda: _benches.qgemm(_forced(quantized_mm), dequantize, _up(m), k, n, int4)):
+        return False
     if int4:
-        if q.shape[1] * 2 != k or k % 32 or scale.shape != (n, k // 32) or zero.shape != scale.shape \
-                or not zero.is_contiguous() or zero.dtype != torch.float32:
-            return False
         lib.lmq_qgemm_i4(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
                          out.data_ptr(), out.stride(0), m, k, n, int(accumulate), threads)
         return True
-    if q.dtype != torch.int8 or q.shape[1] != k or k % 32 or scale.shape != (n, k // 32):
-        return False
     lib.lmq_qgemm_i8(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), out.stride(0),
                      m, k, n, int(accumulate), threads)
+    return True
+
+
+def _quantized_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
+    """Whether (q, scale, zero) is a weight [N, K] in the layout of cpu_qgemm.c (int8 or int4)."""
+    n, groups = q.shape[0], k // 32
+    if k % 32 or not q.is_contiguous() or not scale.is_contiguous() or scale.dtype != torch.float32 \
+            or scale.shape != (n, groups) or scale.device.type != "cpu":
+        return False
+    if q.dtype == torch.uint8:
+        return (zero is not None and q.shape[1] * 2 == k and zero.shape == scale.shape and zero.is_contiguous()
+                and zero.dtype == torch.float32)
+    return zero is None and q.dtype == torch.int8 and q.shape[1] == k
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """out = W, the weight-only quantized W [N, K] of `quantized_mm` as float32 (out [N, K] contiguous),
+    with the same bits as torch's q * scale and d * q + m (no fused multiply-add). Not calibrated: a copy
+    at memory speed that torch's several passes (unpack, convert, multiply, add) cannot beat."""
+    lib = _load()
+    if lib is None or out.dim() != 2 or not out.is_contiguous() or out.dtype != torch.float32:
+        return False
+    n, k = out.shape
+    if q.shape[0] != n or not _quantized_ok(q, scale, zero, k):
+        return False
+    if zero is None:
+        lib.lmq_dequant_i8(q.data_ptr(), scale.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    else:
+        lib.lmq_dequant_i4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, k,
+                           torch.get_num_threads())
     return True
 
 

@@ -177,3 +177,48 @@ void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float 
         else if (N - n == 2) { ROWS_I4(2) } else { ROWS_I4(1) }
     }
 }
+
+/* The de-quantized weight, float32 [N, K] row-major (the GEMM of many rows: torch's BLAS on it). Products and
+ * sums rounded one at a time (the empty asm keeps the product out of an FMA): the same bits as w = q * scale
+ * and w = d * q + m evaluated by torch (QuantizedLinear.dequantize). */
+#if defined(__x86_64__) || defined(__i386__)
+#define ROUNDED(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define ROUNDED(v) __asm__("" : "+w"(v))
+#else
+#define ROUNDED(v) __asm__("" : "+g"(v))
+#endif
+
+static inline void store_f(float *p, vf v) { *(vf *)p = v; }
+
+void lmq_dequant_i8(const signed char *q, const float *scale, float *w, long N, long K, int threads) {
+    if (K * N < QSERIAL_BELOW) threads = 1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long g = 0; g < K / GROUP; g++) {
+            const vf s = (vf){0} + scale[n * (K / GROUP) + g];
+            for (int i = 0; i < GROUP; i += LMQ_VL) {
+                vf x = __builtin_convertvector(widen_i8(q + n * K + g * GROUP + i), vf) * s;
+                store_f(w + n * K + g * GROUP + i, x);
+            }
+        }
+}
+
+void lmq_dequant_i4(const unsigned char *q, const float *d, const float *mn, float *w, long N, long K,
+                    int threads) {
+    if (K * N < QSERIAL_BELOW) threads = 1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long g = 0; g < K / GROUP; g++) {
+            const vf dv = (vf){0} + d[n * (K / GROUP) + g], mv = (vf){0} + mn[n * (K / GROUP) + g];
+            float *o = w + n * K + g * GROUP;
+            for (int i = 0; i < 16; i += LMQ_VL) {
+                const vfi b = widen_u8(q + n * (K / 2) + g * 16 + i);
+                vf lo = __builtin_convertvector(b & 15, vf) * dv, hi = __builtin_convertvector(b >> 4, vf) * dv;
+                ROUNDED(lo);
+                ROUNDED(hi);
+                store_f(o + i, lo + mv);
+                store_f(o + 16 + i, hi + mv);
+            }
+        }
+}

@@ -18,9 +18,10 @@ KINDS = ("int8", "int4")
 
 @pytest.fixture(params=["lmq", "torch"])
 def kernels(request, monkeypatch):
-    """Both ways a QuantizedLinear multiplies: lmq's C kernel (up to 16 rows), or (LMQ_CPU_KERNELS=0, as
-    without a C compiler) the weight de-quantized for the call and torch's GEMM."""
-    monkeypatch.setenv("LMQ_CPU_KERNELS", "0" if request.param == "torch" else "auto")
+    """Both ways a QuantizedLinear multiplies, the two extremes of the calibration: lmq's C kernel wherever it
+    takes the operands (LMQ_CPU_KERNELS=1, up to 16 rows a call), or (LMQ_CPU_KERNELS=0, as without a C
+    compiler) the weight de-quantized for the call and torch's GEMM."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "0" if request.param == "torch" else "1")
     if request.param == "lmq" and not cpu.available():
         pytest.skip(f"no CPU kernels here: {cpu.build_error()}")
     return request.param
@@ -41,6 +42,7 @@ def test_quantized_linear_matches_its_dequantized_weight_and_rows_do_not_depend_
         for m in (1, 2, 3, 5, 8, 15, 17, 33):
             assert torch.equal(lin(x[:m]), got[:m]), m
         assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), got)
+    assert torch.equal(lin.dense(), lin.dequantize())   # lmq's de-quantizing copy: torch's bits (no FMA)
     # the quantization itself: within half a step of its group of 32
     g = w.view(n, -1, 32)
     step = (g.abs().amax(-1) / 127 if kind == "int8" else (g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, 1)

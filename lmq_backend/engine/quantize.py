@@ -11,10 +11,12 @@ the weights are stored small:
 
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
-(`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers; more rows (long
-prefills), or no C compiler, de-quantize the weight to float32 for that call and use torch's GEMM. torch's own weight-only kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32 `torch.mm`
-on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
+(`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
+calibration measured it faster than the alternative; that alternative, more rows (long prefills), or no C
+compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, ~1 GB/s of weights
+where torch's passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
+kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32
+`torch.mm` on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
 or alone, as in float32.
 """
@@ -61,24 +63,34 @@ class QuantizedLinear(nn.Module):
             return (self.qweight.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scales[..., None]).view(n, k)
         b = self.qweight.view(n, k // GROUP_SIZE, 16)
         q = torch.cat([b & 15, b >> 4], dim=-1).float()                             # [N, K/32, 32]
-        return torch.addcmul(self.zeros[..., None], q, self.scales[..., None]).view(n, k)
+        return q.mul_(self.scales[..., None]).add_(self.zeros[..., None]).view(n, k)  # rounded twice, no FMA
+
+    def dense(self) -> torch.Tensor:
+        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy (cpu_qgemm.c, the same bits as
+        `dequantize`), torch's passes where it cannot run."""
+        w = torch.empty(self.shape)
+        if not cpu.dequantize(self.qweight, self.scales, self.zeros, w):
+            w = self.dequantize()
+        return w
 
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
-        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]."""
+        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
+        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
+        (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized weight."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
         m = a.shape[0]
-        if m <= KERNEL_ROWS and all(  # 16 rows a call: a row's result is the same in every chunk
-                cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate)
-                for i in range(0, m, 16)):
+        if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
             return
-        w = self.dequantize()
-        if accumulate:
-            out.addmm_(a, w.t())
-        else:
-            torch.mm(a, w.t(), out=out)
+        w = None
+        for i in range(0, m if 16 < m <= KERNEL_ROWS else 0, 16):   # a row's result is the same in every chunk
+            if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
+                w = self.dense() if w is None else w
+                _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
+        if not 16 < m <= KERNEL_ROWS:
+            _dense_mm(a, self.dense(), out, accumulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -131,6 +143,13 @@ class QuantizedLinear(nn.Module):
         zeros = None if first.kind == "int8" else torch.cat([m.zeros for m in modules])
         return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
                    zeros, bias, first.in_features)
+
+
+def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.addmm_(a, w.t())
+    else:
+        torch.mm(a, w.t(), out=out)
 
 
 def quantize_model(model, kind: str) -> int:
