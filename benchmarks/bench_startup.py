@@ -3,15 +3,16 @@
   import       `python -c "import lmq_backend"`
   plugin       `python -c "import lmq_backend.lmql_plugin"`
   lmq run      `lmq run examples/number.lmq` (the first run of a CLI user: load the default model, one query)
-  backend      `HFBackend("default")` alone, split by phase (model files, engine set-up with and without the
-               weights' K-major entry, vocabulary index)
+  backend      `HFBackend("default")` alone, split by phase (model files, engine set-up with the fused layout
+               built and taken from disk, vocabulary index)
   lmql call    the plugin's first call: `lmql.model("local:lmq:default")` + one query, LMQL's subprocess mode
 
-    python benchmarks/bench_startup.py [--repeat 3] [--only import,plugin,run,backend,lmql]
+    python benchmarks/bench_startup.py [--repeat 3] [--only import,plugin,run,backend,lmql] [--env K=V ...]
 
 Medians over --repeat runs of wall-clock seconds and of CPU seconds (user + system, the command and the
 processes it waited for: LMQL's model process too). On a shared machine under load, wall-clock time
-grows with the load; CPU time much less, so compare CPU seconds there.
+grows with the load; CPU time much less, so compare CPU seconds there. `--env` sets variables for every
+command (e.g. `--env OMP_NUM_THREADS=1`: a busy machine's OpenMP threads spin-wait for a core).
 """
 from __future__ import annotations
 
@@ -49,14 +50,14 @@ from lmq_backend.backend.hf import HFBackend
 from lmq_backend.engine.runner import ModelRunner
 phase("import lmq_backend.backend.hf")
 ModelRunner(model, max_batch=256)
-phase("ModelRunner(model): fused re-layout, kernels")
+phase("ModelRunner(model): the fused layout built")
 try:
-    from lmq_backend.engine.fused.weight_cache import use_k_major
-    use_k_major(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), path)  # (writes it once)
+    from lmq_backend.engine.fused.weight_cache import laid_out
+    laid_out(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), path)  # (writes it once)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     t, c = time.perf_counter(), time.process_time()
     ModelRunner(model, max_batch=256, weights_folder=path)
-    phase("ModelRunner(model, weights_folder=): K-major entry")
+    phase("ModelRunner(model, weights_folder=): from disk")
 except ImportError:
     pass
 from lmq_backend.runtime.vocab import VocabIndex
@@ -92,10 +93,13 @@ def cpu_of_children() -> float:
     return r.ru_utime + r.ru_stime
 
 
+ENV = dict(os.environ)
+
+
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """Wall-clock seconds, CPU seconds (the command and the children it waited for) and its output."""
     t, c = time.perf_counter(), cpu_of_children()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env or ENV, timeout=600)
     seconds, cpu = time.perf_counter() - t, cpu_of_children() - c
     if done.returncode != 0:
         raise RuntimeError(f"{cmd} failed:\n{done.stderr[-3000:]}")
@@ -113,12 +117,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", default="import,plugin,run,backend,lmql")
+    p.add_argument("--env", nargs="*", default=[], help="K=V set for every command")
     a = p.parse_args()
+    ENV.update(kv.split("=", 1) for kv in a.env)
     parts = set(a.only.split(","))
     py = sys.executable
     lmq = str(Path(py).with_name("lmq"))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}; medians of {a.repeat}", flush=True)
+          f"{os.getloadavg()[0]:.1f}; medians of {a.repeat}{'; ' + ' '.join(a.env) if a.env else ''}", flush=True)
     if "import" in parts:
         median_of('python -c "import lmq_backend"', [py, "-c", "import lmq_backend"], a.repeat)
     if "plugin" in parts:
