@@ -119,11 +119,11 @@ async def test_out_of_memory_splits_the_batch(make_backend, monkeypatch):
             raise torch.OutOfMemoryError("simulated: batch too large")
         return prefill(pool, rows)
 
-    def small_decode(pool, rows, tokens, ahead=None):
+    def small_decode(pool, rows, tokens, ahead=None, **kw):
         if len(tokens) > 3:
             splits.append(len(tokens))
             raise torch.OutOfMemoryError("simulated: batch too large")
-        return decode(pool, rows, tokens, ahead)
+        return decode(pool, rows, tokens, ahead, **kw)
 
     monkeypatch.setattr(runner, "prefill", small_prefill)
     monkeypatch.setattr(runner, "decode", small_decode)

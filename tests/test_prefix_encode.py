@@ -60,6 +60,16 @@ def test_smollm2_tokenizer_ids_identical_with_prefix_reuse(tokenizer, seed):
     assert encoder.hits > 100  # the prefix was reused, not tokenized again
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_cuts_found_past_a_recent_key_are_the_cuts_of_the_whole_text(tokenizer, seed):
+    """The search resumes after a key found before; the cuts must be those of a search from the start."""
+    encoder = check_exact(tokenizer, shared_prefix_texts(seed) + diverging_texts(seed))
+    assert encoder._recent
+    for text in shared_prefix_texts(seed + 10) + diverging_texts(seed):
+        assert encoder._cuts_of(text) == prefix_encode._cuts(text)
+        encoder.encode(text)
+
+
 def llama3_style_tokenizer():
     """A byte-level BPE with Llama-3's split expression and digit groups, trained here on a small text."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -29,16 +29,17 @@ class HoleLoop:
         or None when the hole is done."""
         if not self._plan():
             return None
-        return self._pick(logits)
+        return self._pick(logits[None], 0)
 
-    def feed(self, logits: torch.Tensor) -> tuple[int, int | None] | None:
-        """The pick from a decode step's logits (the scheduler's continuation): as `start`."""
+    def feed(self, logits: torch.Tensor | None, i: int) -> tuple[int, int | None] | None:
+        """The pick from row i of a decode step's logits (the scheduler's continuation; None: the step
+        kept them on the device, and made this row's pick there): as `start`."""
         self.decoded += 1
-        return self._pick(logits)
+        return self._pick(logits, i)
 
     def resume(self, logits: torch.Tensor) -> tuple[int, int | None] | None:
         """The pick from the logits of a preempted row's new prefill (its tokens so far): as `start`."""
-        return self._pick(logits)
+        return self._pick(logits[None], 0)
 
     def _plan(self) -> bool:
         """The checks before the next pick: False if the hole ends without one; raises if it cannot end."""
@@ -59,10 +60,10 @@ class HoleLoop:
         self.ahead = b._greedy_mask(pick) if self._greedy else None
         return True
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, int | None] | None:
+    def _pick(self, logits: torch.Tensor | None, i: int) -> tuple[int, int | None] | None:
         token = self.row.device_pick(self.ahead) if self.ahead is not None else None
         if token is None:
-            token = self.sampler.select(logits, self.pick)
+            token = self.sampler.select(logits[i], self.pick)
         if self.can_end and not self.extendable[token]:
             return None  # a token outside the value (EOS, or one the constraint excludes) ends the hole
         self.generated.append(token)

@@ -167,12 +167,21 @@ class KVPool:
     # ----- what the kernels read --------------------------------------------------------------------
 
     def device_table(self) -> torch.Tensor:
-        """The table on the store's device, with every change made since the last call."""
-        if self.mirror is None:
-            return self.table
-        for r0, r1, c0, c1 in self._dirty:
-            self.mirror[r0:r1, c0:c1].copy_(self.table[r0:r1, c0:c1])
-        self._dirty.clear()
+        """The table on the store's device, with every change made since the last call.
+
+        The changed regions go up in one copy of their bounding box where it is not much larger than they
+        are (a step's new column of every row; a prefill's rows), from a pinned copy of the host's values
+        taken now, without waiting: a copy from pageable memory would wait for the device to finish the
+        steps queued before it (one running ahead included) on every step."""
+        if self.mirror is None or not self._dirty:
+            return self.table if self.mirror is None else self.mirror
+        dirty, self._dirty = self._dirty, []
+        r0, r1 = min(d[0] for d in dirty), max(d[1] for d in dirty)
+        c0, c1 = min(d[2] for d in dirty), max(d[3] for d in dirty)
+        if (r1 - r0) * (c1 - c0) <= 2 * sum((d[1] - d[0]) * (d[3] - d[2]) for d in dirty) + 65536:
+            dirty = [(r0, r1, c0, c1)]
+        for r0, r1, c0, c1 in dirty:
+            self.mirror[r0:r1, c0:c1].copy_(self.table[r0:r1, c0:c1].pin_memory(), non_blocking=True)
         return self.mirror
 
     def columns(self, rows: slice, first: int, end: int) -> torch.Tensor:

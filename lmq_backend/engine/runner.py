@@ -98,12 +98,17 @@ class ModelRunner:
                                                           greedy_masks=self.greedy_masks), table)
         return self._decoder[0]
 
-    def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | None] | None) -> torch.Tensor:
+    def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | None] | None,
+                      want_logits: bool) -> torch.Tensor | None:
         decoder = self._fused_decoder(pool)
         run_ahead = ahead is not None and None not in ahead
         logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, ahead if run_ahead else None,
-                                   key=pool.version if run_ahead else None).float()
+                                   key=pool.version if run_ahead else None)
         self.picks = decoder.picks if decoder.masks is not None else None
+        if run_ahead and self.picks is not None and not want_logits:
+            logits = None  # every row picks on the device: no float32 copy of [B, V] a step
+        else:
+            logits = logits.float()
         if run_ahead:
             decoder.run_ahead()  # after the copy of the logits above: it overwrites them
         return logits
@@ -180,14 +185,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, pool: KVPool, rows: slice, tokens: list[int],
-               ahead: list[int | None] | None = None) -> torch.Tensor:
+               ahead: list[int | None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
         """One token for each row of `rows` (a slot range), written at column `end`. The caller advances
         `pool.end` once every row of the pool has been stepped. Returns logits [B, V] float32; `picks`
         holds the step's greedy picks on the device, or None. `ahead`: per row, the greedy mask (an index
-        into `greedy_masks`) its next token will likely be picked with, or None (see `set_greedy_masks`)."""
+        into `greedy_masks`) its next token will likely be picked with, or None (see `set_greedy_masks`).
+        `want_logits=False`: the caller reads only `picks` where the step made them (then returns None)."""
         self.picks = None
         if self.fused and rows.start == 0 and rows.stop == pool.rows <= self.max_batch:
-            return self._fused_decode(pool, tokens, ahead)
+            return self._fused_decode(pool, tokens, ahead, want_logits)
         starts = pool.start[rows]
         first = min(starts)
         b, length = len(starts), pool.end - first

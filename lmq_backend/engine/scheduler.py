@@ -37,6 +37,7 @@ from .runner import ModelRunner, PrefillRow
 SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
 AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
 DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
+SELECT_MARGIN = 32      # waiting requests looked up beyond the decode batch's free seats, to choose among
 
 
 class Preempted(Exception):
@@ -121,14 +122,17 @@ class Scheduler:
             raise
 
     async def decode(self, row: Row, token: int, ahead: int | None = None,
-                     then: Callable[[torch.Tensor], tuple[int, int | None] | None] | None = None) -> torch.Tensor:
+                     then: Callable[[torch.Tensor | None, int], tuple | None] | None = None) -> torch.Tensor | None:
         """The logits after feeding `token` to the row. `ahead`: the greedy mask (see
         `ModelRunner.set_greedy_masks`) the row's next pick will likely use, so that the GPU may run the
         following step ahead on the device's own picks while the host checks its constraint.
 
-        `then(logits)`: the row's continuation, called inside the step with its logits: it returns the next
-        (token, ahead) to feed, and the row takes part in the next step without waking its caller; or None,
-        and the call returns those logits. An exception it raises is raised here."""
+        `then(logits, i)`: the row's continuation, called inside the step with the step's logits [B, V] and
+        the row's index in them: it returns the next (token, ahead) to feed, and the row takes part in the
+        next step without waking its caller; or None, and the call returns the row's logits. An exception it
+        raises is raised here. Where every row of a step gives a continuation and an `ahead` mask, the
+        logits stay on the device (None): a continuation then picks with `row.device_pick`, and the call
+        returns None."""
         assert row.live, "decode on a row that left the batch"
         future = self._loop().create_future()
         self.decodes[id(row)] = (token, ahead, future, then)
@@ -211,8 +215,9 @@ class Scheduler:
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         if seats <= 0:
             return []
-        # the first arrivals, enough to fill the seats twice over, compete (a trie lookup each)
-        ready = [w for w in self.waiting if not w.future.done()][: 2 * seats]
+        # the first arrivals, enough to fill the seats and a few more, compete (a trie lookup each; those not
+        # chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting)
+        ready = [w for w in self.waiting[: seats + SELECT_MARGIN + 8] if not w.future.done()][: seats + SELECT_MARGIN]
         for w in ready:
             w.row = w.request.prepare()
         ready.sort(key=lambda w: -w.row.cached)
@@ -307,29 +312,33 @@ class Scheduler:
         started = time.perf_counter()
         self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
         self._preempt(self.pool.reserve_width(AHEAD))
-        tokens = [self.decodes[id(row)][0] for row in self.rows]
-        ahead = [self.decodes[id(row)][1] for row in self.rows]
+        rows = list(self.rows)
+        work = [self.decodes[id(row)] for row in rows]
+        tokens = [w[0] for w in work]
+        ahead = [w[1] for w in work]
+        # the logits go to the host only for a row that may not pick on the device, or returns them
+        want = any(a is None or then is None for _, a, _, then in work)
         self.pool.reserve(AHEAD)
-        logits = self._decode(slice(0, len(self.rows)), tokens, ahead)
+        logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
-        cached = sum(self.pool.length(row.slot) for row in self.rows)
+        if self.on_step is not None:
+            self._report("decode", len(tokens), len(tokens), sum(self.pool.end - s for s in self.pool.start), started)
         self.pool.end += 1
-        self._report("decode", len(tokens), len(tokens), cached, started)
-        for i, (row, row_logits) in enumerate(zip(list(self.rows), logits)):
-            _, _, future, then = self.decodes.pop(id(row))
+        self.decodes = {}
+        for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
             row.device_picks = None if picks is None else (picks, i)
             if future.done():  # cancelled
                 continue
             if then is not None:
                 try:
-                    step = then(row_logits)
+                    step = then(logits, i)
                 except Exception as e:  # noqa: BLE001 - the failure belongs to that query alone
                     future.set_exception(e)
                     continue
                 if step is not None:  # the row goes on in the next step, its caller still waiting
                     self.decodes[id(row)] = (*step, future, then)
                     continue
-            future.set_result(row_logits)
+            future.set_result(None if logits is None else logits[i])
 
     def _preempt(self, width: int) -> None:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
@@ -347,9 +356,10 @@ class Scheduler:
             self.release(victim)
             self._compact()
 
-    def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None) -> torch.Tensor:
+    def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
+                want_logits: bool = True) -> torch.Tensor | None:
         try:
-            return self.runner.decode(self.pool, rows, tokens, ahead)
+            return self.runner.decode(self.pool, rows, tokens, ahead, want_logits=want_logits)
         except torch.OutOfMemoryError:
             n = rows.stop - rows.start
             if n == 1:

@@ -34,6 +34,7 @@ STEP = 512          # characters between cuts, at least; a 32nd of the text befo
 SPREAD = 32         # (the tail tokenized again stays short; the stored keys' characters grow as the text's)
 MIN_TEXT = 1024     # shorter texts are tokenized whole
 MAX_ENTRIES = 4096  # stored prefixes (least recently used dropped first)
+RECENT = 4          # keys found last whose cuts are remembered
 _NEWLINE = re.compile(r"\n(?=\S)")  # a newline before a character that is no space (a literal first: fast)
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
 
@@ -45,6 +46,9 @@ class PrefixEncoder:
         self._encode = encode
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # the keys found last, with the cuts up to their own (a text starting with one has those cuts, so only
+        # the characters after it are searched for more): a data set's calls share one
+        self._recent: list[tuple[str, tuple[int, ...]]] = []
         self.hits = self.misses = 0
 
     @classmethod
@@ -70,12 +74,14 @@ class PrefixEncoder:
     def encode(self, text: str) -> list[int]:
         if len(text) < MIN_TEXT:
             return self._encode(text)
-        cuts = _cuts(text)
-        for c in reversed(cuts):
+        cuts = self._cuts_of(text)
+        for k in range(len(cuts) - 1, -1, -1):
+            c = cuts[k]
             key = text[:c + 1]
             head = self._prefixes.get(key)
             if head is not None:
                 self._prefixes.move_to_end(key)
+                self._remember(key, cuts[:k + 1])
                 self.hits += 1
                 return list(head) + self._encode(text[c:])
         self.misses += 1
@@ -83,20 +89,37 @@ class PrefixEncoder:
         self._store(text, ids, cuts)
         return ids
 
+    def _cuts_of(self, text: str) -> list[int]:
+        """`_cuts(text)`, searching only past the longest recent key the text starts with."""
+        for key, cuts in self._recent:
+            if text.startswith(key):
+                return list(cuts) + _cuts(text, cuts[-1])
+        return _cuts(text)
+
+    def _remember(self, key: str, cuts: list[int]) -> None:
+        recent = [(k, c) for k, c in self._recent if k != key]
+        recent.append((key, tuple(cuts)))
+        recent.sort(key=lambda kc: -len(kc[0]))  # longest first: the first that matches is the best
+        self._recent = recent[:RECENT]
+
     def _store(self, text: str, ids: list[int], cuts: list[int]) -> None:
         if not cuts:
             return
         ends = np.cumsum(self._n_bytes[np.asarray(ids, dtype=np.int64)])
         if not len(ends) or ends[-1] != len(text.encode("utf-8")):
             return  # ids that do not spell the text byte for byte: nothing to cut by
-        for c in cuts:
+        stored = None
+        for k, c in enumerate(cuts):
             at = len(text[:c].encode("utf-8"))
             j = int(np.searchsorted(ends, at))
             if j < len(ends) and ends[j] == at:
                 self._prefixes[text[:c + 1]] = tuple(ids[:j + 1])
                 self._prefixes.move_to_end(text[:c + 1])
+                stored = k
         while len(self._prefixes) > MAX_ENTRIES:
             self._prefixes.popitem(last=False)
+        if stored is not None:
+            self._remember(text[:cuts[stored] + 1], cuts[:stored + 1])
 
 
 def _spec(tokenizer: Any) -> dict | None:
@@ -123,13 +146,14 @@ def _supported(spec: dict) -> bool:
     return not any("\n" in a.get("content", "") for a in spec.get("added_tokens", []))
 
 
-def _cuts(text: str) -> list[int]:
+def _cuts(text: str, after: int | None = None) -> list[int]:
     """Positions c (text[c - 1] == "\\n" and neither text[c - 2] nor text[c] a space, c < len(text)), the first
     at or after STEP and each at least max(STEP, c / SPREAD) after the one before, c: a function of the prefix
-    up to each cut. (Python's \\s holds every character the tokenizers' \\s does, and more: never a cut too many.)"""
+    up to each cut. (Python's \\s holds every character the tokenizers' \\s does, and more: never a cut too many.)
+    `after`: a cut of the text; those after it (the earlier ones are the caller's)."""
     cuts: list[int] = []
-    at = STEP
-    for m in _NEWLINE.finditer(text, STEP - 1):
+    at = STEP if after is None else after + max(STEP, after // SPREAD)
+    for m in _NEWLINE.finditer(text, at - 1):
         c = m.end()
         if c >= at and not text[c - 2].isspace():  # str.isspace is the \s of a str pattern
             cuts.append(c)
