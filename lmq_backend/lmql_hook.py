@@ -8,7 +8,8 @@ tokenizer, none of which knows "lmq:default". So the wheel ships one line, `lmq-
 nothing else) that acts only when LMQL's own modules are imported:
 
   - `lmql.runtime.tokenizer`: a tokenizer name "lmq:SPEC" (LMQL's default: the model name) loads the
-    tokenizer folder of SPEC (`lmql_plugin.tokenizer_dir`);
+    tokenizer folder of SPEC (`lmql_plugin.tokenizer_dir`), with the `tokenizers` library alone where that
+    gives transformers' answers (`lmql_tokenizer.py`);
   - `lmql.models.lmtp.backends.lmtp_model`: `LMTPModel.registry["lmq"] = lmql_plugin.LMQModel`;
   - `lmql.models.lmtp.lmtp_dcmodel`: `local:lmq:SPEC` models in LMQL's subprocess mode run in lmq's model
     process for SPEC (`lmql_process.py`: one per SPEC, failures raised to the caller).
@@ -31,8 +32,12 @@ def _patch_tokenizer(module) -> None:
     def _load_tokenizer(model_identifier, type, **kwargs):
         if isinstance(model_identifier, str) and model_identifier.startswith(PREFIX):
             from .lmql_plugin import tokenizer_dir
+            from .lmql_tokenizer import for_folder
 
             model_identifier = tokenizer_dir(model_identifier[len(PREFIX):])
+            impl = for_folder(model_identifier, **kwargs) if type in ("auto", "hf") else None
+            if impl is not None:  # without transformers (and torch) in LMQL's process
+                return module.LMQLTokenizer(model_identifier, tokenizer_impl=impl)
         return load(model_identifier, type, **kwargs)
 
     _load_tokenizer._lmq = True

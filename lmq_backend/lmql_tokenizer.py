@@ -1,0 +1,134 @@
+"""LMQL's tokenizer for `lmq:SPEC` models, read with the `tokenizers` library alone.
+
+LMQL's own Hugging Face tokenizer (`lmql.runtime.tokenizers.hf_tokenizer.TransformersTokenizer`) loads the
+folder with transformers' `AutoTokenizer`, which imports transformers and torch in LMQL's process: ~4 CPU s
+of the plugin's first call, for a tokenizer that the model process loads again. `LMQTokenizer` has its
+interface and gives the same answers for folders whose tokenizer transformers itself runs as the plain
+`tokenizers` backend (`"tokenizer_class": "TokenizersBackend"` in tokenizer_config.json, as lmq's converted
+default model has): ids, tokens, decoding, special ids and vocabulary read from the same tokenizer.json.
+Any other folder (or tokenizer arguments) keeps LMQL's own path (`for_folder` returns None).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CLASSES = ("TokenizersBackend",)  # transformers runs these as `tokenizers.Tokenizer` with nothing added
+
+
+def for_folder(folder: str, **kwargs) -> "LMQTokenizer | None":
+    """An `LMQTokenizer` for the folder, or None where LMQL's own tokenizer must load it."""
+    path = Path(folder)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if kwargs or config.get("tokenizer_class") not in CLASSES or not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return None
+    return LMQTokenizer(str(path), config)
+
+
+def _token(value) -> str | None:
+    """A special token's text from tokenizer_config.json (a string, or an added-token dict)."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class LMQTokenizer:
+    """`TransformersTokenizer`'s interface (lmql/runtime/tokenizers/hf_tokenizer.py) over `tokenizers`."""
+
+    def __init__(self, model_identifier: str, config: dict):
+        from tokenizers import Tokenizer
+
+        self.model_identifier = model_identifier
+        self.tokenizer = Tokenizer.from_file(str(Path(model_identifier) / "tokenizer.json"))
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._bpe = type(self.tokenizer.model).__name__ == "BPE"
+        self._bos = self._id(config.get("bos_token"))
+        self._eos = self._id(config.get("eos_token"))
+
+    def _id(self, value) -> int | None:
+        text = _token(value)
+        return None if text is None else self.tokenizer.token_to_id(text)
+
+    def __getstate__(self):
+        return {"model_identifier": self.model_identifier, "tokenizer": self.tokenizer.to_str(),
+                "clean_up": self.clean_up_tokenization_spaces, "bos": self._bos, "eos": self._eos}
+
+    def __setstate__(self, state):
+        from tokenizers import Tokenizer
+
+        self.model_identifier = state["model_identifier"]
+        self.tokenizer = Tokenizer.from_str(state["tokenizer"])
+        self.clean_up_tokenization_spaces = state["clean_up"]
+        self._bpe = type(self.tokenizer.model).__name__ == "BPE"
+        self._bos, self._eos = state["bos"], state["eos"]
+
+    # ----- what LMQL calls ------------------------------------------------------------------------------
+
+    def tokenize(self, text, asbytes=False, add_special_tokens=False):
+        if asbytes:
+            return self.decode_tokens_bytes(self(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
+
+    def decode_tokens_bytes(self, ids):
+        return [f"{i}".encode("utf-8") for i in ids]
+
+    def decode(self, ids, clean_up_tokenization_spaces=None):
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        if clean and not self._bpe:  # transformers skips the clean-up for BPE models (it would corrupt them)
+            text = _clean_up(text)
+        return text
+
+    def convert_bytes_to_string(self, token_bytes):
+        return self.decode(self.convert_token_bytes_to_ids(token_bytes))
+
+    def convert_token_bytes_to_ids(self, tokens):
+        return [int(t.decode("utf-8")) for t in tokens]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self.get_vocab()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def eos_token_id(self):
+        return self._eos
+
+    @property
+    def bos_token_id(self):
+        return self._bos
+
+    def convert_tokens_to_string(self, tokens):
+        decoder = self.tokenizer.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    @property
+    def name(self):
+        return "hf-" + self.model_identifier
+
+    def backend(self):
+        return "tokenizers (lmq)"
+
+
+def _clean_up(text: str) -> str:
+    """transformers' `clean_up_tokenization` (for WordPiece-style tokenizers)."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
