@@ -124,6 +124,18 @@ async def test_greedy_tokens_per_dtype_cache_on_off_batched_alone(tokenizer, fam
     assert differences(alone[:3], reference, tol=1e-3) == []
 
 
+@pytest.mark.parametrize("kind", KINDS)
+async def test_greedy_tokens_per_dtype_at_both_extremes_of_the_calibration(tokenizer, kind, kernels):
+    """The same, with lmq's kernels wherever they take the operands (GEMMs of the fused step, attention of one
+    row or more) and with torch everywhere: what a machine's calibration may choose at its two ends."""
+    calls = standard_calls()
+    cached, _ = quantized_backend(tokenizer, "llama", kind)
+    uncached, _ = quantized_backend(tokenizer, "llama", kind, cache_budget=0)
+    alone = await run_engine(cached, SCRIPT, calls, batched=False)
+    assert differences(await run_engine(uncached, SCRIPT, calls, batched=True, seed=3), alone, tol=1e-4) == []
+    assert differences(await run_engine(cached, SCRIPT, calls, batched=True, seed=4), alone, tol=1e-4) == []
+
+
 async def test_quantized_tokens_differ_from_float32_somewhere(tokenizer):
     """The comparison above has teeth: int4 changes these models' greedy tokens or distributions."""
     calls = standard_calls()[:3]
