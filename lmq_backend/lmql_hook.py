@@ -12,7 +12,9 @@ nothing else) that acts only when LMQL's own modules are imported:
     gives transformers' answers (`lmql_tokenizer.py`);
   - `lmql.models.lmtp.backends.lmtp_model`: `LMTPModel.registry["lmq"] = lmql_plugin.LMQModel`;
   - `lmql.models.lmtp.lmtp_dcmodel`: `local:lmq:SPEC` models in LMQL's subprocess mode run in lmq's model
-    process for SPEC (`lmql_process.py`: one per SPEC, failures raised to the caller).
+    process for SPEC (`lmql_process.py`: one per SPEC, failures raised to the caller);
+  - `lmql.models.lmtp.backends.transformers_model` (LMQL's own transformers backend, which imports torch)
+    loads on first use instead of with every LMQL model (`_Deferred`).
 
 LMQ_LMQL_HOOK=0 turns the .pth file's hook off; `import lmq_backend.lmql_plugin` installs it anyway.
 """
@@ -75,6 +77,7 @@ PATCHES = {
     "lmql.models.lmtp.backends.lmtp_model": _patch_registry,
     "lmql.models.lmtp.lmtp_dcmodel": _patch_processes,
 }
+TRANSFORMERS_BACKEND = "lmql.models.lmtp.backends.transformers_model"  # deferred: see _Deferred
 
 
 class _Loader:
@@ -91,10 +94,48 @@ class _Loader:
         self.patch(module)
 
 
+class _Deferred:
+    """Loads LMQL's transformers backend on first use, not when any LMQL model is made: LMQL's
+    `lmql.models.lmtp.backends` imports it eagerly, and it imports torch (~2 CPU s in LMQL's process, where
+    `local:lmq:` models need neither). The module's attributes and `LMTPModel.registry["transformers"]`
+    load it then; it registers itself as before."""
+
+    def __init__(self, spec):
+        import threading
+
+        self.spec, self.real, self.lock = spec, None, threading.Lock()
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        from lmql.models.lmtp.backends.lmtp_model import LMTPModel
+
+        module.__file__ = self.spec.origin
+        module.__getattr__ = self._attribute
+        LMTPModel.registry["transformers"] = lambda *args, **kwargs: self.load().TransformersLLM(*args, **kwargs)
+
+    def _attribute(self, name: str):
+        if name.startswith("__"):  # (`inspect` asks every module in sys.modules for some)
+            raise AttributeError(name)
+        return getattr(self.load(), name)
+
+    def load(self):
+        with self.lock:
+            if self.real is None:
+                import importlib.util
+
+                real = importlib.util.module_from_spec(self.spec)
+                sys.modules[self.spec.name] = real
+                self.spec.loader.exec_module(real)
+                self.real = real
+            return self.real
+
+
 class _Finder:
     def find_spec(self, fullname, path, target=None):
         patch = PATCHES.get(fullname)
-        if patch is None:
+        if patch is None and (fullname != TRANSFORMERS_BACKEND or "torch" in sys.modules):
             return None
         for finder in sys.meta_path:  # the spec the other finders give, with its loader wrapped
             if finder is self or not hasattr(finder, "find_spec"):
@@ -102,6 +143,10 @@ class _Finder:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    if patch is None:
+                        import importlib.machinery
+
+                        return importlib.machinery.ModuleSpec(fullname, _Deferred(spec), origin=spec.origin)
                     spec.loader = _Loader(spec.loader, patch)
                 return spec
         return None
