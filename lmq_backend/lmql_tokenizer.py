@@ -5,7 +5,8 @@ folder with transformers' `AutoTokenizer`, which imports transformers and torch 
 of the plugin's first call, for a tokenizer that the model process loads again. `LMQTokenizer` has its
 interface and gives the same answers for folders whose tokenizer transformers itself runs as the plain
 `tokenizers` backend (`"tokenizer_class": "TokenizersBackend"` in tokenizer_config.json, as lmq's converted
-default model has): ids, tokens, decoding, special ids and vocabulary read from the same tokenizer.json.
+default model has, with nothing for transformers to add or patch: `_as_loaded`): ids, tokens, decoding,
+special ids and vocabulary read from the same tokenizer.json.
 Any other folder (or tokenizer arguments) keeps LMQL's own path (`for_folder` returns None).
 """
 from __future__ import annotations
@@ -29,7 +30,22 @@ def for_folder(folder: str, **kwargs) -> "LMQTokenizer | None":
         import tokenizers  # noqa: F401
     except ImportError:
         return None
-    return LMQTokenizer(str(path), config)
+    tokenizer = LMQTokenizer(str(path), config)
+    return tokenizer if _as_loaded(tokenizer.tokenizer, config) else None
+
+
+def _as_loaded(tokenizer, config: dict) -> bool:
+    """True where transformers' TokenizersBackend would run tokenizer.json as it is: every special or added
+    token of the config already in it (else transformers adds them), no special tokens split, and a
+    vocabulary under the size at which transformers patches Mistral tokenizers' regular expressions."""
+    named = [_token(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                                            "cls_token", "mask_token")]
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+    extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
+    added = [_token(v) for v in (config.get("added_tokens_decoder") or {}).values()]
+    tokens = [t for t in named + [_token(t) for t in extra] + added if t is not None]
+    return (not config.get("split_special_tokens") and tokenizer.get_vocab_size() <= 100000
+            and all(tokenizer.token_to_id(t) is not None for t in tokens))
 
 
 def _token(value) -> str | None:
@@ -46,7 +62,7 @@ class LMQTokenizer:
         from tokenizers import Tokenizer
 
         self.model_identifier = model_identifier
-        self.tokenizer = Tokenizer.from_file(str(Path(model_identifier) / "tokenizer.json"))
+        self.tokenizer = _plain(Tokenizer.from_file(str(Path(model_identifier) / "tokenizer.json")))
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self._bpe = type(self.tokenizer.model).__name__ == "BPE"
         self._bos = self._id(config.get("bos_token"))
@@ -64,7 +80,7 @@ class LMQTokenizer:
         from tokenizers import Tokenizer
 
         self.model_identifier = state["model_identifier"]
-        self.tokenizer = Tokenizer.from_str(state["tokenizer"])
+        self.tokenizer = _plain(Tokenizer.from_str(state["tokenizer"]))
         self.clean_up_tokenization_spaces = state["clean_up"]
         self._bpe = type(self.tokenizer.model).__name__ == "BPE"
         self._bos, self._eos = state["bos"], state["eos"]
@@ -124,6 +140,13 @@ class LMQTokenizer:
 
     def backend(self):
         return "tokenizers (lmq)"
+
+
+def _plain(tokenizer):
+    """No truncation and no padding: what transformers sets for a call without those arguments."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def _clean_up(text: str) -> str:

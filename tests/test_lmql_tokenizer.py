@@ -96,5 +96,9 @@ def test_lmq_names_get_it_and_other_folders_keep_lmqls(tmp_path):
     config["tokenizer_class"] = "LlamaTokenizer"
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     assert lmql_tokenizer.for_folder(str(other)) is None
+    config["tokenizer_class"] = "TokenizersBackend"
+    config["eos_token"] = "<|a token transformers would add|>"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert lmql_tokenizer.for_folder(str(other)) is None
     (other / "tokenizer_config.json").unlink()
     assert lmql_tokenizer.for_folder(str(other)) is None
