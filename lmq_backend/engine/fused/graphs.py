@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lmq_kernels.masked_argmax import masked_argmax_k
+
 from ..picks import masked_argmax
 
 
@@ -27,12 +29,15 @@ class GraphSteps:
     device (`DevicePicks`), and `run_ahead`. Reads the decoder's static buffers and step state."""
 
     def _pick_and_advance(self, bp: int) -> None:
-        """Greedy picks under each mask (`masked_argmax`, as `Greedy.select` picks), and, in
+        """Greedy picks under each mask (`masked_argmax_k`: the picks of `masked_argmax`, as `Greedy.select`
+        picks, in one pass over the logits), and, in
         a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
         position and one column further (a run-ahead replays the same graph on them)."""
-        logits = self.logits[:bp]
-        picks = masked_argmax(logits[None], self.masks[:, None])  # [K, bp]
-        self.guess[:, :bp].copy_(picks)
+        logits, picks = self.logits[:bp], self.guess[:, :bp]
+        if self.triton:  # one pass over the logits for every mask
+            masked_argmax_k(logits, self.masks, out=picks)
+        else:
+            picks.copy_(masked_argmax(logits[None], self.masks[:, None]))  # [K, bp]
         if self.use_graphs:
             self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
             self.positions[:bp].add_(1)

@@ -13,7 +13,9 @@ waiting on Python).
 from __future__ import annotations
 
 import functools
+import itertools
 
+import numpy as np
 import torch
 
 from lmq_kernels.prefill_attention import prefill_attention
@@ -54,16 +56,17 @@ class Prefill(LayerOps):
         N, dev = B * T, self.device
         # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1, B
         host = torch.full((2 * N + B + 2,), -1, dtype=torch.int32)
-        ids_h, pos_h = host[:N].view(B, T), host[N:2 * N].view(B, T)
-        starts = []
-        for b, (ids, cached) in enumerate(rows):
-            m = len(ids)
-            ids_h[b, T - m:] = torch.tensor(ids, dtype=torch.int32)
-            ids_h[b, :T - m] = 0
-            pos_h[b, T - m:] = torch.arange(cached, cached + m, dtype=torch.int32)
-            starts.append(end - cached - m)
-        host[2 * N:2 * N + B] = torch.tensor(starts, dtype=torch.int32)
-        host[2 * N + B:] = torch.tensor([end - 1, B], dtype=torch.int32)
+        h = host.numpy()
+        ids_h, pos_h = h[:N].reshape(B, T), h[N:2 * N].reshape(B, T)
+        m = np.array([len(ids) for ids, _ in rows])
+        cached = np.array([c for _, c in rows])
+        real = np.arange(T)[None, :] >= (T - m)[:, None]                       # [B, T]: not padding
+        ids_h[:] = 0
+        ids_h[real] = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in rows), np.int32, int(m.sum()))
+        pos_h[:] = np.where(real, cached[:, None] - (T - m)[:, None] + np.arange(T)[None, :], -1)
+        starts = (end - cached - m).tolist()
+        h[2 * N:2 * N + B] = starts
+        h[2 * N + B:] = (end - 1, B)
         inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
         ids_d, pos_d, starts_d = inputs[:N], inputs[N:2 * N], inputs[2 * N:2 * N + B]
         end_d, nrows_d = inputs[2 * N + B:2 * N + B + 1], inputs[2 * N + B + 1:]
