@@ -4,28 +4,13 @@ first index, 0 where a mask allows nothing.
 
 CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported; where
 another module imported triton first, a subprocess runs this file again). GPU: compiled."""
-import os
+import interpreted  # noqa: F401 - first: sets TRITON_INTERPRET before triton is imported
+import pytest
+import torch
+from interpreted import needs_cuda, needs_interp, rerun_interpreted
+from lmq_backend.engine.picks import masked_argmax
+from lmq_kernels.masked_argmax import BLOCK, masked_argmax_k
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-try:
-    import triton  # noqa: F401, E402
-except Exception as exc:  # pragma: no cover
-    pytest.skip(f"triton is not importable: {exc!r}", allow_module_level=True)
-
-from lmq_backend.engine.picks import masked_argmax  # noqa: E402
-from lmq_kernels import interpreter_active  # noqa: E402
-from lmq_kernels.masked_argmax import BLOCK, masked_argmax_k  # noqa: E402
-
-_INTERP = interpreter_active()
-needs_interp = pytest.mark.skipif(not _INTERP, reason="triton imported before TRITON_INTERPRET=1; see the subprocess test")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or _INTERP, reason="needs a GPU and TRITON_INTERPRET=0")
 
 
 def _case(B, V, K, seed, dtype=torch.float32, device="cpu"):
@@ -70,14 +55,7 @@ def test_writes_into_a_strided_out():
 
 
 def test_interpreter_in_subprocess():
-    if _INTERP:
-        pytest.skip("runs in-process")
-    if torch.cuda.is_available():
-        pytest.skip("triton's interpreter fails where CUDA is (triton 3.6); the cuda tests run instead")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cuda",
-                           os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_interpreted(__file__)
 
 
 @needs_cuda

@@ -5,28 +5,13 @@ of the row's K/V (not through the kernel's page-table indexing).
 CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before triton is imported;
 when another module imported triton first, the in-process tests skip and a subprocess runs this file again).
 GPU: the ``cuda`` tests compile the kernel (``TRITON_INTERPRET=0``)."""
-import os
+import math
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-try:
-    import triton  # noqa: F401, E402
-except Exception as exc:  # pragma: no cover
-    pytest.skip(f"triton is not importable: {exc!r}", allow_module_level=True)
-
-from lmq_kernels import interpreter_active  # noqa: E402
-from lmq_kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
-
-_INTERP = interpreter_active()
-needs_interp = pytest.mark.skipif(not _INTERP, reason="triton imported before TRITON_INTERPRET=1; see the subprocess test")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or _INTERP, reason="needs a GPU and TRITON_INTERPRET=0")
+import interpreted  # noqa: F401 - first: sets TRITON_INTERPRET before triton is imported
+import pytest
+import torch
+from interpreted import needs_cuda, needs_interp, rerun_interpreted
+from lmq_kernels.prefill_attention import prefill_attention, prefill_attention_reference
 
 
 def _case(B, T, Hkv, G, D, S, news, cached, device="cpu", dtype=torch.float32, seed=0):
@@ -115,14 +100,8 @@ def test_a_wrong_column_range_is_caught():
         _check(dropped, _expected(q, dk, dv, start, end, news), news, atol=1e-5)
 
 
-@pytest.mark.skipif(_INTERP, reason="in-process interpreter tests already ran")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernels are tested on this machine (and "
-                    "triton 3.6's interpreter fails on GPU hosts: 'only 0-dimensional arrays can be converted')")
 def test_interpreter_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cuda",
-                           os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_interpreted(__file__)
 
 
 @needs_cuda
