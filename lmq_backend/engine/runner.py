@@ -104,11 +104,12 @@ class ModelRunner:
         run_ahead = ahead is not None and None not in ahead
         logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, ahead if run_ahead else None,
                                    key=pool.version if run_ahead else None)
-        self.picks = decoder.picks if decoder.masks is not None else None
-        if run_ahead and self.picks is not None and not want_logits:
-            logits = None  # every row picks on the device: no float32 copy of [B, V] a step
+        if decoder.masks is not None:  # the step picked on the device
+            self.picks = decoder.picks
+            logits = None if run_ahead and not want_logits else logits.float()  # else no float32 [B, V] a step
         else:
             logits = logits.float()
+            self.picks = self._greedy_picks(logits)
         if run_ahead:
             decoder.run_ahead()  # after the copy of the logits above: it overwrites them
         return logits
@@ -129,12 +130,22 @@ class ModelRunner:
         return stacked, slots
 
     def _greedy_picks(self, logits: torch.Tensor):
-        """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask, made on
-        the logits' device with one copy to the host (not one sync a row)."""
+        """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask, one op a
+        mask for the whole batch, not one a row: on a GPU every mask's at once, with one copy to the host
+        (not one sync a row); on the CPU a mask's at its first use (read them before the logits change)."""
         if not self.greedy_masks:
             return None
-        table = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks]).tolist()
-        return lambda k, i: table[k][i]
+        if logits.device.type != "cpu":
+            table = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks]).tolist()
+            return lambda k, i: table[k][i]
+        masks, done = self.greedy_masks, {}
+
+        def pick(k: int, i: int) -> int:
+            column = done.get(k)
+            if column is None:
+                column = done[k] = masked_argmax(logits, masks[k]).tolist()
+            return column[i]
+        return pick
 
     @torch.no_grad()
     def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
