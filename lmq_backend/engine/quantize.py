@@ -84,13 +84,14 @@ class QuantizedLinear(nn.Module):
         m = a.shape[0]
         if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
             return
+        if not 16 < m <= KERNEL_ROWS:
+            _dense_mm(a, self.dense(), out, accumulate)
+            return
         w = None
-        for i in range(0, m if 16 < m <= KERNEL_ROWS else 0, 16):   # a row's result is the same in every chunk
+        for i in range(0, m, 16):  # a row's result is the same in every chunk
             if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
                 w = self.dense() if w is None else w
                 _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
-        if not 16 < m <= KERNEL_ROWS:
-            _dense_mm(a, self.dense(), out, accumulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -106,7 +106,8 @@ class ModelRunner:
                                    key=pool.version if run_ahead else None)
         if decoder.masks is not None:  # the step picked on the device
             self.picks = decoder.picks
-            logits = None if run_ahead and not want_logits else logits.float()  # else no float32 [B, V] a step
+            # no float32 copy of [B, V] where the caller reads the picks only
+            logits = None if run_ahead and not want_logits else logits.float()
         else:
             logits = logits.float()
             self.picks = self._greedy_picks(logits)

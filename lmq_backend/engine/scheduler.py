@@ -217,7 +217,7 @@ class Scheduler:
             return []
         # the first arrivals, enough to fill the seats and a few more, compete (a trie lookup each; those not
         # chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting)
-        ready = [w for w in self.waiting[: seats + SELECT_MARGIN + 8] if not w.future.done()][: seats + SELECT_MARGIN]
+        ready = [w for w in self.waiting[: seats + SELECT_MARGIN] if not w.future.done()]
         for w in ready:
             w.row = w.request.prepare()
         ready.sort(key=lambda w: -w.row.cached)
@@ -322,7 +322,7 @@ class Scheduler:
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
         if self.on_step is not None:
-            self._report("decode", len(tokens), len(tokens), sum(self.pool.end - s for s in self.pool.start), started)
+            self._report("decode", len(tokens), len(tokens), sum(self.pool.length(row.slot) for row in rows), started)
         self.pool.end += 1
         self.decodes = {}
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
