@@ -120,59 +120,74 @@ static inline __attribute__((always_inline)) void chunk(
 #define CASE(DV) case DV: chunk(q, sqb, sqh, k, skh, sks, v, svh, svs, table + b * stb + c0, b, g, cn, \
                                G, scale, part, sc, DV); break;
 
-/* D must be 64, 128 or 256 (the caller checks). */
+/* The attention's work inside a parallel region (lmq_attention's, or a fused step's: cpu_step.c): the
+ * tasks (a dynamic worksharing loop), then the combine (a static one), each ending in a barrier. `parts`:
+ * B * Hkv * chunks * G * (D + 2) floats shared by the threads. D must be 64, 128 or 256 (the caller checks). */
+void lmq_attention_body(const float *q, long sqb, long sqh,
+                        const float *k, long skh, long sks,
+                        const float *v, long svh, long svs,
+                        const int *table, long stb, const int *start, float *out, long sob, long soh,
+                        int B, int Hq, int Hkv, long S, int D, float scale, float *parts) {
+    const int G = Hq / Hkv;
+    const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a task's partials */
+    float *sc = malloc(sizeof(float) * G * CH);
+    #pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < (long)B * Hkv * nch; t++) {
+        const int b = t / (Hkv * nch), g = (t / nch) % Hkv;
+        const long s0 = start[b] < 0 ? 0 : start[b], c0 = s0 + (t % nch) * CH;
+        if (c0 >= S) continue;
+        const long cn = S - c0 < CH ? S - c0 : CH;
+        float *part = parts + t * stride;
+        switch (D / LMQ_VL) {
+#if LMQ_VL == 16
+            CASE(4) CASE(8) CASE(16)
+#elif LMQ_VL == 8
+            CASE(8) CASE(16) CASE(32)
+#else
+            CASE(16) CASE(32) CASE(64)
+#endif
+        }
+    }
+    free(sc);
+    #pragma omp for schedule(static)
+    for (long t = 0; t < (long)B * Hq; t++) {     /* combine a (row, query head)'s chunks in order */
+        const int b = t / Hq, h = t % Hq, g = h / G, j = h % G;
+        const long s0 = start[b] < 0 ? 0 : start[b];
+        const long used = s0 >= S ? 0 : (S - s0 + CH - 1) / CH;
+        float *o = out + b * sob + h * soh;
+        if (used == 0) {
+            memset(o, 0, sizeof(float) * D);
+            continue;
+        }
+        const float *p0 = parts + ((long)(b * Hkv + g) * nch) * stride + j * (D + 2);
+        float mx = p0[0];
+        for (long c = 1; c < used; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
+        float l = 0.0f;
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        for (long c = 0; c < used; c++) {
+            const float *pc = p0 + c * stride, w = vexp_vf((vf){0} + (pc[0] - mx))[0];
+            l += w * pc[1];
+            for (int d = 0; d < D; d++) o[d] += w * pc[2 + d];
+        }
+        const float inv = 1.0f / l;
+        for (int d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* The number of floats lmq_attention_body's `parts` holds. */
+long lmq_attention_parts(int B, int Hq, int Hkv, long S, int D) {
+    const long nch = S > 0 ? (S + CH - 1) / CH : 1;
+    return (long)B * Hkv * nch * (Hq / Hkv) * (D + 2);
+}
+
 void lmq_attention(const float *q, long sqb, long sqh,
                    const float *k, long skh, long sks,
                    const float *v, long svh, long svs,
                    const int *table, long stb, const int *start, float *out, long sob, long soh,
                    int B, int Hq, int Hkv, long S, int D, float scale, int threads) {
-    const int G = Hq / Hkv;
-    const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a task's partials */
-    float *parts = malloc(sizeof(float) * B * Hkv * nch * stride);
+    float *parts = malloc(sizeof(float) * lmq_attention_parts(B, Hq, Hkv, S, D));
     #pragma omp parallel num_threads(threads)
-    {
-        float *sc = malloc(sizeof(float) * G * CH);
-        #pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < (long)B * Hkv * nch; t++) {
-            const int b = t / (Hkv * nch), g = (t / nch) % Hkv;
-            const long s0 = start[b] < 0 ? 0 : start[b], c0 = s0 + (t % nch) * CH;
-            if (c0 >= S) continue;
-            const long cn = S - c0 < CH ? S - c0 : CH;
-            float *part = parts + t * stride;
-            switch (D / LMQ_VL) {
-#if LMQ_VL == 16
-                CASE(4) CASE(8) CASE(16)
-#elif LMQ_VL == 8
-                CASE(8) CASE(16) CASE(32)
-#else
-                CASE(16) CASE(32) CASE(64)
-#endif
-            }
-        }
-        free(sc);
-        #pragma omp for schedule(static)
-        for (long t = 0; t < (long)B * Hq; t++) {     /* combine a (row, query head)'s chunks in order */
-            const int b = t / Hq, h = t % Hq, g = h / G, j = h % G;
-            const long s0 = start[b] < 0 ? 0 : start[b];
-            const long used = s0 >= S ? 0 : (S - s0 + CH - 1) / CH;
-            float *o = out + b * sob + h * soh;
-            if (used == 0) {
-                memset(o, 0, sizeof(float) * D);
-                continue;
-            }
-            const float *p0 = parts + ((long)(b * Hkv + g) * nch) * stride + j * (D + 2);
-            float mx = p0[0];
-            for (long c = 1; c < used; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
-            float l = 0.0f;
-            for (int d = 0; d < D; d++) o[d] = 0.0f;
-            for (long c = 0; c < used; c++) {
-                const float *pc = p0 + c * stride, w = vexp_vf((vf){0} + (pc[0] - mx))[0];
-                l += w * pc[1];
-                for (int d = 0; d < D; d++) o[d] += w * pc[2 + d];
-            }
-            const float inv = 1.0f / l;
-            for (int d = 0; d < D; d++) o[d] *= inv;
-        }
-    }
+    lmq_attention_body(q, sqb, sqh, k, skh, sks, v, svh, svs, table, stb, start, out, sob, soh,
+                       B, Hq, Hkv, S, D, scale, parts);
     free(parts);
 }

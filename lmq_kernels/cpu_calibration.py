@@ -93,7 +93,7 @@ class Calibration:
 
     def __init__(self, path: Path | None, key: str):
         self.path, self.key = (Path(path) if path is not None else None), key
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # a bench may choose other ops (decode_layers: the per-op step)
         self._use: dict[tuple, bool] = {}          # (op, shape_class) -> lmq chosen
         self._entries: dict[str, dict] = {}        # the file's form: "op/a/b/c" -> entry
         self._used: set[str] = set()               # the names this process asked for

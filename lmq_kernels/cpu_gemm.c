@@ -157,20 +157,29 @@ static void scalar_tail(const float *x, long ldx, const float *w, long ldw, floa
         }
 }
 
-/* y (+)= x @ w on `threads` threads, each taking a contiguous range of column blocks (the last thread also
- * the leftover columns). Row strides ldx, ldw, ldy in elements; the last dimension of each is contiguous. */
+/* Thread t of nt's share of y (+)= x @ w: a contiguous range of column blocks (the last working thread also
+ * the leftover columns); weights under LMQ_GEMM_SERIAL_BELOW elements on thread 0 alone. Called inside a
+ * parallel region (lmq_small_m_gemm's, or a fused step's: cpu_step.c); a row's bits do not depend on t, nt. */
+void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                    int M, long K, long N, int accumulate, int t, int nt) {
+    const long blocks = N / NB, vec_end = N / LMQ_VL * LMQ_VL;
+    if (nt > blocks) nt = blocks > 0 ? (int)blocks : 1;
+    if (K * N < LMQ_GEMM_SERIAL_BELOW) nt = 1;   /* a small weight: a second thread costs more than it saves */
+    if (t >= nt) return;
+    const long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, last = t == nt - 1;
+    columns(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB, last ? vec_end : b1 * NB);
+    if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
+}
+
+/* y (+)= x @ w on `threads` threads (lmq_gemm_share each). Row strides ldx, ldw, ldy in elements; the last
+ * dimension of each is contiguous. */
 void lmq_small_m_gemm(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
                       int M, long K, long N, int accumulate, int threads) {
-    const long blocks = N / NB, vec_end = N / LMQ_VL * LMQ_VL;
+    const long blocks = N / NB;
     if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
-    if (K * N < LMQ_GEMM_SERIAL_BELOW) threads = 1;   /* a small weight: a second thread costs more than it saves */
+    if (K * N < LMQ_GEMM_SERIAL_BELOW) threads = 1;
     #pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, last = t == nt - 1;
-        columns(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB, last ? vec_end : b1 * NB);
-        if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
-    }
+    lmq_gemm_share(x, ldx, w, ldw, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* The blocking this library was built with: {lanes, MR, NV, vector registers} (for tests and benchmarks). */

@@ -43,26 +43,39 @@ static inline v16 silu_mul16(v16 g, v16 u) {
     return g * (vselect(g > 0, one, e) / (one + e)) * u;
 }
 
-void lmq_silu_mul(const float *gu, long ldgu, float *out, long ldo, int M, int I) {
+/* Columns [i0, i1) of out = silu(gate) * up, gate and up row m at g + m * ldg, u + m * ldu: lane by lane,
+ * so any split of the columns gives the same bits. */
+static void silu_mul_cols(const float *g, const float *u, long ldg, float *out, long ldo, int M, int i0, int i1) {
     for (int m = 0; m < M; m++) {
-        const float *g = gu + m * ldgu, *u = g + I;
+        const float *gr = g + m * ldg, *ur = u + m * ldg;
         float *o = out + m * ldo;
-        int i = 0;
-        for (; i + 16 <= I; i += 16) {
+        int i = i0;
+        for (; i + 16 <= i1; i += 16) {
             v16 gv, uv;
-            memcpy(&gv, g + i, 64);
-            memcpy(&uv, u + i, 64);
+            memcpy(&gv, gr + i, 64);
+            memcpy(&uv, ur + i, 64);
             gv = silu_mul16(gv, uv);
             memcpy(o + i, &gv, 64);
         }
-        if (i < I) {   /* the tail through the same vector arithmetic */
+        if (i < i1) {   /* the tail through the same vector arithmetic */
             v16 gv = (v16){0}, uv = (v16){0};
-            memcpy(&gv, g + i, (I - i) * sizeof(float));
-            memcpy(&uv, u + i, (I - i) * sizeof(float));
+            memcpy(&gv, gr + i, (i1 - i) * sizeof(float));
+            memcpy(&uv, ur + i, (i1 - i) * sizeof(float));
             gv = silu_mul16(gv, uv);
-            memcpy(o + i, &gv, (I - i) * sizeof(float));
+            memcpy(o + i, &gv, (i1 - i) * sizeof(float));
         }
     }
+}
+
+void lmq_silu_mul(const float *gu, long ldgu, float *out, long ldo, int M, int I) {
+    silu_mul_cols(gu, gu + I, ldgu, out, ldo, M, 0, I);
+}
+
+/* Thread t of nt's share of lmq_silu_mul: a range of columns in whole 16-lane blocks. */
+void lmq_silu_mul_share(const float *gu, long ldgu, float *out, long ldo, int M, int I, int t, int nt) {
+    const int blocks = (I + 15) / 16, b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    const int i0 = b0 * 16, i1 = b1 * 16 < I ? b1 * 16 : I;
+    if (i0 < i1) silu_mul_cols(gu, gu + I, ldgu, out, ldo, M, i0, i1);
 }
 
 /* One head of one token: optional RMSNorm (weight nw), then rotate-half RoPE into dst. */
@@ -81,15 +94,15 @@ static inline void rope_head(const float *src, const float *nw, float eps, const
     }
 }
 
-void lmq_rope_append(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
-                     const float *qn, const float *kn, float eps,
-                     float *q, long sqr, long sqh,
-                     float *kc, long sks, long skh, float *vc, long svs, long svh,
-                     const int *table, long stb,
-                     long N, int T, long end, int nrows, int Hq, int Hkv, int D, int threads) {
+/* Tokens [r0, r1) of lmq_rope_append (each token's work depends on that token alone). */
+void lmq_rope_append_rows(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
+                          const float *qn, const float *kn, float eps,
+                          float *q, long sqr, long sqh,
+                          float *kc, long sks, long skh, float *vc, long svs, long svh,
+                          const int *table, long stb,
+                          long r0, long r1, int T, long end, int nrows, int Hq, int Hkv, int D) {
     const int H = D / 2;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (N > 64)
-    for (long r = 0; r < N; r++) {
+    for (long r = r0; r < r1; r++) {
         const long b = r / T, col = end - (T - 1) + r % T;
         const int write = b < nrows && pos[r] >= 0;
         const float *x = qkv + r * ldqkv, *c = cos_ + r * H, *s = sin_ + r * H;
@@ -100,5 +113,19 @@ void lmq_rope_append(const float *qkv, long ldqkv, const float *cos_, const floa
             rope_head(x + (Hq + h) * D, kn, eps, c, s, kc + slot * sks + h * skh, D);
             memcpy(vc + slot * svs + h * svh, x + (Hq + Hkv + h) * D, D * sizeof(float));
         }
+    }
+}
+
+void lmq_rope_append(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
+                     const float *qn, const float *kn, float eps,
+                     float *q, long sqr, long sqh,
+                     float *kc, long sks, long skh, float *vc, long svs, long svh,
+                     const int *table, long stb,
+                     long N, int T, long end, int nrows, int Hq, int Hkv, int D, int threads) {
+    #pragma omp parallel num_threads(threads) if (N > 64)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        lmq_rope_append_rows(qkv, ldqkv, cos_, sin_, pos, qn, kn, eps, q, sqr, sqh, kc, sks, skh, vc, svs, svh,
+                             table, stb, N * t / nt, N * (t + 1) / nt, T, end, nrows, Hq, Hkv, D);
     }
 }

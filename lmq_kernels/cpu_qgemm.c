@@ -152,30 +152,48 @@ static inline __attribute__((always_inline)) void block_i4(
 #define ROWS_I8(V) ROWS(PASS_I8, V)
 #define ROWS_I4(V) ROWS(PASS_I4, V)
 
-/* y (+)= x @ W^T, int8 W; K a multiple of LMQ_VL. Threads split the outputs in blocks of NB. */
-void lmq_qgemm_i8(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
-                  int M, long K, long N, int accumulate, int threads) {
+/* Thread t of nt's share of y (+)= x @ W^T: a contiguous range of output blocks (NB outputs each); weights
+ * under QSERIAL_BELOW elements on thread 0 alone. Called inside a parallel region (the entry points below,
+ * or a fused step's: cpu_step.c); an output's bits do not depend on t, nt. K a multiple of 32 (int4) or of
+ * LMQ_VL (int8). */
+void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
+                        int M, long K, long N, int accumulate, int t, int nt) {
     const long blocks = (N + NB - 1) / NB;
-    if (K * N < QSERIAL_BELOW) threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++) {
+    if (K * N < QSERIAL_BELOW) nt = 1;
+    if (t >= nt) return;
+    for (long b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
         long n = b * NB;
         if (N - n >= NB) { ROWS_I8(NB) } else if (N - n == 3) { ROWS_I8(3) }
         else if (N - n == 2) { ROWS_I8(2) } else { ROWS_I8(1) }
     }
 }
 
-/* y (+)= x @ W^T, int4 W with groups of 32 along K (K a multiple of 32). */
-void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
-                  float *y, long ldy, int M, long K, long N, int accumulate, int threads) {
+void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
+                        float *y, long ldy, int M, long K, long N, int accumulate, int t, int nt) {
     const long blocks = (N + NB - 1) / NB;
-    if (K * N < QSERIAL_BELOW) threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++) {
+    if (K * N < QSERIAL_BELOW) nt = 1;
+    if (t >= nt) return;
+    for (long b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
         long n = b * NB;
         if (N - n >= NB) { ROWS_I4(NB) } else if (N - n == 3) { ROWS_I4(3) }
         else if (N - n == 2) { ROWS_I4(2) } else { ROWS_I4(1) }
     }
+}
+
+/* y (+)= x @ W^T, int8 W, on `threads` threads. */
+void lmq_qgemm_i8(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
+                  int M, long K, long N, int accumulate, int threads) {
+    if (K * N < QSERIAL_BELOW) threads = 1;
+    #pragma omp parallel num_threads(threads)
+    lmq_qgemm_i8_share(x, ldx, q, scale, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* y (+)= x @ W^T, int4 W with groups of 32 along K (K a multiple of 32), on `threads` threads. */
+void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
+                  float *y, long ldy, int M, long K, long N, int accumulate, int threads) {
+    if (K * N < QSERIAL_BELOW) threads = 1;
+    #pragma omp parallel num_threads(threads)
+    lmq_qgemm_i4_share(x, ldx, q, d, mn, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* The de-quantized weight, float32 [N, K] row-major (the GEMM of many rows: torch's BLAS on it). Products and

@@ -48,6 +48,7 @@ import torch
 from lmq_kernels import cpu, decode_attention
 
 from ..attention import grouped_attention
+from .cpu_step import run_layers
 from .graphs import DevicePicks, GraphSteps, bucket_for
 from .prefill import Prefill
 
@@ -140,6 +141,16 @@ class FusedDecoder(GraphSteps, Prefill):
         torch.index_select(self.embed, 0, self.tokens[:bp], out=x)              # [bp, hidden]
         if not self.triton:
             self._cpu_step_setup(bp)
+        if self.triton or not run_layers(self, bp):   # the CPU's layers in one C call where measured faster
+            self._layers(bp)
+        self._rmsnorm(x, self.final_norm, self.final_eps, h)
+        self._mm(h, self.lm_head, self.logits[:bp])                             # [bp, V]
+        if self.masks is not None:
+            self._pick_and_advance(bp)
+
+    def _layers(self, bp: int) -> None:
+        """The layer loop of a step, op by op (see the module docstring)."""
+        x, h = self.x[:bp], self.h[:bp]
         start = self.start[:bp]
         for l, lw in enumerate(self.layers):
             self._rmsnorm(x, lw.in_norm, lw.eps, h)
@@ -156,10 +167,6 @@ class FusedDecoder(GraphSteps, Prefill):
             self._mm(h, lw.wgu, self.gu[:bp])                                   # [bp, 2 I]
             self._silu_mul(self.gu[:bp], self.act[:bp])                         # [bp, I]
             self._mm(self.act[:bp], lw.wdown, x, accumulate=True)               # x += mlp @ Wdown^T
-        self._rmsnorm(x, self.final_norm, self.final_eps, h)
-        self._mm(h, self.lm_head, self.logits[:bp])                             # [bp, V]
-        if self.masks is not None:
-            self._pick_and_advance(bp)
 
     def _check(self, B: int, end: int) -> int:
         if not 1 <= B <= self.max_batch:

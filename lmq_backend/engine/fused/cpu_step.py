@@ -1,0 +1,87 @@
+"""A CPU decode step's layers in one C call (`lmq_kernels.cpu_step`) instead of the layer loop's ~9 op
+calls a layer (`FusedDecoder._layers`), where measurement says it is the faster on this machine.
+
+    run_layers(decoder, bp) -> bool     True: the layers ran in C; False: run the per-op loop
+
+Why: the per-op loop makes ~270 calls from Python a step (SmolLM2-135M); each costs Python, ctypes and an
+OpenMP fork/join, more once the GEMMs' weights have evicted the interpreter from the caches: ~8 ms of a
+~40 ms float32 step at one row on a 2-core Zen 3 (benchmarks/RESULTS.md, tenth session). The C side runs
+the same kernels' arithmetic (each row's bits as with lmq's per-op kernels), in one parallel region.
+
+The choice: `cpu.choose("decode_layers", (threads, row bucket, weight kind, model shape), bench)`, measured
+once per machine and class (cached with the other kernels' choices) on the step at hand: the bench restores
+the residual stream before each run of either path, and both write the same K/V to the same column. Under
+LMQ_CPU_KERNELS=1 it always runs, under 0 never (torch everywhere). The first step of a class in a process
+runs the per-op loop: the per-op kernels' own first-use calibrations are not measured inside this one.
+"""
+from __future__ import annotations
+
+import torch
+
+from lmq_kernels import cpu
+from lmq_kernels.cpu_step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers
+
+from ..quantize import QuantizedLinear
+
+__all__ = ["run_layers", "plan_for"]
+
+
+def _weight(w) -> Weight:
+    n, k = w.shape
+    if isinstance(w, QuantizedLinear):
+        return Weight(n, k, q=w.qweight, scale=w.scales, zero=w.zeros)
+    return Weight(n, k, w_t=w.t())
+
+
+def plan_for(decoder) -> LayerPlan | None:
+    """The decoder's layers as a `LayerPlan` (None where cpu_step.c cannot take them)."""
+    layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, _weight(lw.wqkv), _weight(lw.wo), _weight(lw.wgu),
+                    _weight(lw.wdown), decoder.k_cache[l], decoder.v_cache[l], lw.scaling, bqkv=lw.bqkv,
+                    q_norm=lw.q_norm, k_norm=lw.k_norm, qk_eps=lw.qk_eps)
+              for l, lw in enumerate(decoder.layers)]
+    try:
+        plan = LayerPlan(layers)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return plan if plan.ok else None
+
+
+def _kind(decoder) -> str:
+    w = decoder.layers[0].wgu
+    return w.kind if isinstance(w, QuantizedLinear) else "f32"
+
+
+def run_layers(decoder, bp: int) -> bool:
+    """Every layer of `decoder`'s CPU step for its first `bp` rows in one C call, if chosen (see the module
+    docstring); False (nothing computed) otherwise."""
+    if decoder.triton or bp > MAX_ROWS or not cpu.available():
+        return False
+    plan = decoder.__dict__.get("_cpu_plan", False)
+    if plan is False:
+        plan = decoder._cpu_plan = plan_for(decoder)
+    if plan is None:
+        return False
+    seen = decoder.__dict__.setdefault("_cpu_plan_seen", set())
+    threads = torch.get_num_threads()
+    shape_class = (threads, cpu._up(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
+    if shape_class not in seen:   # this process's first step of the class: the per-op loop (see the top)
+        seen.add(shape_class)
+        return False
+    x = decoder.x[:bp]
+
+    def fused() -> bool:
+        return decode_layers(plan, x, decoder.Hq, decoder._cos, decoder._sin, decoder.positions, decoder.table,
+                             decoder.start, decoder._first_int, decoder._end_int, decoder.qkv[:bp],
+                             decoder.q[:bp], decoder.attn[:bp], decoder.gu[:bp], decoder.act[:bp])
+
+    x0 = []
+
+    def bench():
+        x0.append(x.clone())
+        restore = x.copy_
+        return (lambda: (restore(x0[0]), fused()), lambda: (restore(x0[0]), decoder._layers(bp)))
+
+    use = cpu.choose("decode_layers", shape_class, bench)
+    if x0:
+        x.copy_(x0[0])   # the bench left its last run's result
+    return use and fused()
