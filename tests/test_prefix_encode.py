@@ -111,3 +111,73 @@ def test_a_whitespace_run_before_an_added_token_is_no_cut(tokenizer):
     a cut after such a run, stored from the first text, would give the second the wrong ids."""
     base = "".join(f"Line {i}: some words here.\n" for i in range(60)) + "a" * 300
     check_exact(tokenizer, [base + "\n\n\n<|im_start|>user\n" + "x" * 200, base + "\n\n\n< the rest " + "y" * 200])
+
+
+WORDS = [" coffee", " week.", " (visit", " 5)", "Summary:", " (", " x", " é", " -", " --", " 'll", " s", " the", " 12",
+         "\nSummary:", ")\n", " x\n", "\n", "y"]
+
+
+def word_texts(seed: int, n: int = 400) -> list[str]:
+    """Short texts (every one tokenized by its words) of words recurring in every context: mostly words a
+    space apart, a fifth anything of ALPHABET (whitespace runs, digits, added tokens, other scripts)."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(WORDS if rng.random() < 0.8 else ALPHABET) for _ in range(rng.randint(1, 40)))
+            for _ in range(n)]
+
+
+def counting(encoder: PrefixEncoder) -> list[str]:
+    """The texts the encoder hands the tokenizer from now on."""
+    seen, encode = [], encoder._encode
+    encoder._encode = lambda text: (seen.append(text), encode(text))[1]
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_words_kept_give_the_tokenizers_ids_in_any_context(tokenizer, seed):
+    """A word's ids are kept by its text and reused wherever it recurs (after a letter, a digit, punctuation,
+    an added token, at a text's start or end): every text's ids stay the tokenizer's own."""
+    for tok in (tokenizer, llama3_style_tokenizer()):
+        encoder = check_exact(tok, word_texts(seed))
+        assert len(encoder._words) > 100
+        sent = counting(encoder)
+        texts = word_texts(seed + 100)
+        check_exact_with(encoder, tok, texts)
+        # words seen before are not tokenized again (a word cut needs ASCII on both sides: " é" joins the word
+        # before it, " x\n the" is one word, so half the characters are still new)
+        assert sum(map(len, sent)) < 0.6 * sum(map(len, texts))
+        # new words go to the tokenizer joined only where they meet at a cut: whatever was sent splits into
+        # words that are kept now (two joined where they do not meet would be one word, never kept)
+        assert all(w in encoder._words for t in sent for w in prefix_encode._WORD_CUT.split(t))
+
+
+def check_exact_with(encoder: PrefixEncoder, tokenizer, texts: list[str]) -> None:
+    for text in texts:
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False), repr(text[-80:])
+
+
+def test_a_prompt_tail_after_a_stored_prefix_is_tokenized_by_its_words(tokenizer):
+    """W1's calls: the few-shot block from the stored prefix, the new review by its words; the tokenizer
+    sees only words it has not seen before."""
+    shots = "".join(f"Review: review number {i} was fine.\nSentiment: positive\n\n" for i in range(40))
+    calls = [f"{shots}Review: the coffee was cold (visit {i})\nSummary:" for i in range(20)]
+    encoder = check_exact(tokenizer, calls)
+    sent = counting(encoder)
+    check_exact_with(encoder, tokenizer, calls[1:6])  # (the first call, tokenized whole, stored prefixes, not words)
+    assert sent == []  # every word seen before
+
+
+@pytest.mark.parametrize("token", [
+    {"content": "New York"},                    # an added token holding a space spans a word cut
+    {"content": "<x>", "rstrip": True},         # one taking the whitespace after it too
+])
+def test_added_tokens_spanning_a_word_cut_turn_words_off(tokenizer, token):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.add_tokens([AddedToken(token["content"], rstrip=token.get("rstrip", False), normalized=False)])
+    texts = [f"I saw New York. <x> and <x>  y{i} New Yorker" for i in range(5)]
+    assert tok.encode(texts[0], add_special_tokens=False) != [
+        t for w in prefix_encode._WORD_CUT.split(texts[0]) for t in tok.encode(w, add_special_tokens=False)]
+    encoder = check_exact(tok, texts + word_texts(0, 50))
+    assert encoder._words is None

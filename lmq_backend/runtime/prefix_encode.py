@@ -1,4 +1,4 @@
-"""Exact tokenization that does not tokenize a recurring prefix again.
+"""Exact tokenization that does not tokenize a recurring prefix, or word, again.
 
 A query called over a data set renders prompts that share a long prefix (a few-shot block, a system
 prompt, a chat history) and differ at the end. Tokenizing the ~1,100-token prompt of every call costs
@@ -18,6 +18,17 @@ chosen from the prefix alone (the first one at least max(STEP, c / SPREAD) chara
 cut c), so two texts sharing a prefix share its cuts, and the ids before a cut are stored under
 text[:c + 1].
 
+The text after the cut (all of it, for a short text or no stored prefix) is split at *word cuts* too: a
+space between two printable ASCII characters (text[p] == " ", text[p - 1] and text[p + 1] in "!".."~"), and
+a cut as above between two of them (text[p - 1] == "\n", text[p - 2] and text[p] in "!".."~"). None of the
+accepted expressions (GPT-2's, Llama-3's, Qwen's) has a piece holding a non-space character followed by a
+space, and none looks behind, so a piece starts at every word cut whatever came before; NFC composes nothing
+across a space; and with no added token containing a space or taking the whitespace after it (`rstrip`),
+none spans one. So the ids of the text are the ids of its *words* (the pieces between word cuts: " coffee",
+" week.\n", "Summary:"), each tokenized alone, which are kept by text (`MAX_WORDS`): a new prompt tail costs
+a dictionary lookup a word, and its unseen words a call of the tokenizer for those that meet at a cut when
+joined.
+
 A text whose ids do not add up to its bytes (a tokenizer the rule above does not describe) is never
 stored, and tests compare the result with the tokenizer's own on random texts.
 """
@@ -26,25 +37,39 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from itertools import chain
 from typing import Any, Callable
 
 import numpy as np
 
 STEP = 512          # characters between cuts, at least; a 32nd of the text before the previous cut beyond 16K
 SPREAD = 32         # (the tail tokenized again stays short; the stored keys' characters grow as the text's)
-MIN_TEXT = 1024     # shorter texts are tokenized whole
+MIN_TEXT = 1024     # no prefix of a shorter text is stored (it is tokenized by its words)
 MAX_ENTRIES = 4096  # stored prefixes (least recently used dropped first)
 RECENT = 4          # keys found last whose cuts are remembered
+MAX_WORDS = 1 << 16  # words kept (all dropped when full: a cache of the tokenizer's own ids, refilled on use)
+MAX_WORD = 256       # longer words (text with no word cut) are tokenized, not kept
 _NEWLINE = re.compile(r"\n(?=\S)")  # a newline before a character that is no space (a literal first: fast)
+# before a space between printable ASCII characters, and after a newline between them (a cut as above)
+_WORD_CUT = re.compile(r"(?<=[!-~])(?= [!-~])|(?<=[!-~]\n)(?=[!-~])")
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
+# Split expressions whose pieces never hold a non-space character followed by a space (Llama-3's, Qwen2's,
+# GPT-2's): word cuts are exact under them (ByteLevel's own expression, use_regex, is GPT-2's)
+_WORD_SPLITS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
 
 
 class PrefixEncoder:
-    def __init__(self, encode: Callable[[str], list[int]], n_bytes: np.ndarray):
+    def __init__(self, encode: Callable[[str], list[int]], n_bytes: np.ndarray, words: bool = False):
         """`encode`: the tokenizer's own encode (no special tokens); `n_bytes[id]`: the UTF-8 bytes a token
-        spells in text (added tokens: their content)."""
+        spells in text (added tokens: their content); `words`: are word cuts exact (`_word_cuts_exact`)?"""
         self._encode = encode
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
+        self._words: dict[str, tuple[int, ...]] | None = {} if words else None
+        self._spelled = self._n_bytes.tolist()
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # the keys found last, with the cuts up to their own (a text starting with one has those cuts, so only
         # the characters after it are searched for more): a data set's calls share one
@@ -63,7 +88,8 @@ class PrefixEncoder:
         for added in spec.get("added_tokens", []):
             if 0 <= added["id"] < len(spelled):
                 spelled[added["id"]] = len(added["content"].encode("utf-8"))
-        return cls(lambda text: backend.encode(text, add_special_tokens=False).ids, spelled)
+        return cls(lambda text: backend.encode(text, add_special_tokens=False).ids, spelled,
+                   words=_word_cuts_exact(spec))
 
     @staticmethod
     def supports(tokenizer: Any) -> bool:
@@ -73,7 +99,7 @@ class PrefixEncoder:
 
     def encode(self, text: str) -> list[int]:
         if len(text) < MIN_TEXT:
-            return self._encode(text)
+            return self._encode_words(text)
         cuts = self._cuts_of(text)
         for k in range(len(cuts) - 1, -1, -1):
             c = cuts[k]
@@ -83,11 +109,51 @@ class PrefixEncoder:
                 self._prefixes.move_to_end(key)
                 self._remember(key, cuts[:k + 1])
                 self.hits += 1
-                return list(head) + self._encode(text[c:])
+                return [*head, *self._encode_words(text[c:])]
         self.misses += 1
         ids = self._encode(text)
         self._store(text, ids, cuts)
         return ids
+
+    def _encode_words(self, text: str) -> list[int]:
+        """The ids of `text` from the ids of its words (see the module doc); the unseen ones tokenized
+        together where they meet at a cut (one call of the tokenizer for a tail's new words, mostly), their
+        ids split at the words' byte ends."""
+        words = self._words
+        if words is None or not text:
+            return self._encode(text)
+        parts = _WORD_CUT.split(text)
+        found = list(map(words.get, parts))
+        if None in found:
+            new = [i for i, f in enumerate(found) if f is None]
+            groups = [[new[0]]]
+            for i in new[1:]:
+                # after a newline cut a word starts with no space: joined, two words meet at a cut if the
+                # first ends as the word before the second did (a newline or not)
+                last = parts[groups[-1][-1]]
+                if groups[-1][-1] == i - 1 or (last[-1] == "\n") == (parts[i][0] != " "):
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+            spelled = self._spelled
+            for group in groups:
+                ids, k = self._encode("".join(parts[i] for i in group)), 0
+                for i in group:  # each word's ids: those spelling its bytes
+                    start, left = k, len(parts[i].encode("utf-8"))
+                    while left > 0 and k < len(ids):
+                        left -= spelled[ids[k]]
+                        k += 1
+                    if left or k == start:
+                        return self._encode(text)  # ids not split at the words: not this rule's tokenizer
+                    found[i] = tuple(ids[start:k])
+                if k != len(ids):
+                    return self._encode(text)
+            if len(words) + len(new) > MAX_WORDS:
+                words.clear()
+            for i in new:
+                if len(parts[i]) <= MAX_WORD:
+                    words[parts[i]] = found[i]
+        return list(chain.from_iterable(found))
 
     def _cuts_of(self, text: str) -> list[int]:
         """`_cuts(text)`, searching only past the longest recent key the text starts with."""
@@ -144,6 +210,17 @@ def _supported(spec: dict) -> bool:
     if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
         return False
     return not any("\n" in a.get("content", "") for a in spec.get("added_tokens", []))
+
+
+def _word_cuts_exact(spec: dict) -> bool:
+    """Are word cuts exact for this (`_supported`) tokenizer: every expression one that starts a piece at a
+    word cut, no added token spanning one?"""
+    pre = spec["pre_tokenizer"]
+    for s in pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]:
+        if s.get("type") == "Split" and ((s.get("pattern") or {}).get("Regex") not in _WORD_SPLITS
+                                         or s.get("behavior") != "Isolated" or s.get("invert")):
+            return False
+    return not any(" " in a.get("content", "") or a.get("rstrip") for a in spec.get("added_tokens", []))
 
 
 def _cuts(text: str, after: int | None = None) -> list[int]:
