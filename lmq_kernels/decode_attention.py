@@ -25,33 +25,33 @@ store for one layer, ``[N, H_kv, D]`` (one token per slot, see
 ``table[b, c]``: the same left-padded columns, read through the row's page
 table. Only columns in ``[start[b], end)`` are looked up.
 
-Kernel design
--------------
-Stage 1 (``_decode_stage1``), grid ``(B * H_kv, num_splits)``: the column range
-``[0, S)`` is cut into ``num_splits`` chunks of ``chunk`` columns (a multiple
-of ``BLOCK_N``).  Each program takes one (row, kv head, chunk), intersects
-the chunk with ``[start[b], end)`` (chunks wholly in the padding or past
-``end`` do no loads and write nothing), and loops over it in tiles of
-``BLOCK_N`` columns with an online softmax.  All ``G`` query heads that share
-the KV head are processed in the same program (padded to ``G_PAD``), so each
-K/V tile is read from memory once per KV head.  Scores and the P@V product
-use ``tl.dot`` (query heads padded to 16 rows) or a broadcast
-multiply-reduce in fp32, chosen by ``G`` (see ``_pick_config``).  It writes the
-normalised partial output and its log-sum-exp (base 2) per split.
+Kernel design (the programs: ``decode_kernels.py``)
+--------------------------------------------------
+Stage 1, grid ``(ceil(B / rows) * H_kv, num_splits)``: a program takes ``rows``
+consecutive rows, one KV head and one chunk of ``chunk`` tokens (a multiple
+of ``BLOCK_N``) counted from each row's first column, with an online softmax
+over tiles of ``BLOCK_N``. The ``G`` query heads of every row that share the
+KV head are stacked (``tl.dot`` with at least 16 query rows, or a broadcast
+multiply-reduce in fp32; ``_pick_config``). A tile whose page-table entries
+are the same for every row that has it (a prefix the rows share in the
+trie) is read once for all of them (cascade attention); other tiles are read
+a row at a time. A row's arithmetic is the same either way, so its output
+does not depend on the rows beside it. ``rows`` is 1 below
+``CASCADE_MIN_BATCH`` rows (nothing to share, and splits fill the GPU) and
+``16 // G`` (rounded to powers of two) above.
 
-Reduction (fused, default): after writing its partial, each program takes a
-ticket with an ``acq_rel`` atomic add on a per-(row, kv head) counter; the
-program that draws the last ticket merges the partials of the splits that
-overlap ``[start[b], end)`` (log-sum-exp weighting, 8 splits per step), writes
-the output in ``q``'s dtype and resets the counter to 0 for the next launch.
-One launch per layer instead of two (measured on an H200 at batch 1, where
-launch latency dominates).  ``fused_reduce=False`` uses a separate kernel
-(``_decode_stage2``, grid ``(B * Hq,)``) instead.  When ``num_splits == 1``
-stage 1 writes the final output directly.  The counters are a persistent
-per-device buffer, so launches on one device must not run concurrently on
-different streams.
+Reduction (fused, default): after writing its partials, each program takes a
+ticket with an ``acq_rel`` atomic add on a per-(block, kv head) counter; the
+program that draws the last ticket merges each row's chunks (log-sum-exp
+weighting, 8 chunks per step), writes the output in ``q``'s dtype and resets
+the counter to 0 for the next launch. One launch per layer instead of two
+(measured on an H200 at batch 1, where launch latency dominates).
+``fused_reduce=False`` uses a separate kernel (``_decode_stage2``, grid
+``(B * Hq,)``) instead.  When ``num_splits == 1`` stage 1 writes the final
+output directly.  The counters are a persistent per-device buffer, so
+launches on one device must not run concurrently on different streams.
 
-CUDA graphs: ``num_splits`` depends only on ``B``, ``H_kv``, ``S`` and ``D``
+CUDA graphs: ``num_splits`` and ``rows`` depend only on ``B``, ``H_kv``, ``S`` and ``D``
 (never on ``end``), and ``end`` may be a 1-element int32 device tensor that
 the kernels read from memory, so a graph captured once per batch-size bucket
 stays valid while ``end`` and ``start`` change between replays.  With
@@ -72,171 +72,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_kernels import _stage1_src, _stage2_src
+
 __all__ = ["decode_attention", "choose_num_splits", "interpreter_active"]
 
 
-def _stage1_src(
-    Q, K, V, TABLE, stride_tb, START, END_PTR, end_val,
-    MID_O, MID_LSE, OUT, COUNTER,
-    qk_scale,  # sm_scale * log2(e)
-    H_KV, CHUNK,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh,
-    NUM_SPLITS,
-    G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    END_FROM_PTR: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_TILE: tl.constexpr,
-    PAGED: tl.constexpr,
-):
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // H_KV
-    kvh = pid_bh % H_KV
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-
-    if END_FROM_PTR:
-        end = tl.load(END_PTR).to(tl.int32)
-    else:
-        end = end_val
-    row_start = tl.load(START + b).to(tl.int32)
-    lo = tl.maximum(split * CHUNK, row_start)
-    hi = tl.minimum(split * CHUNK + CHUNK, end)
-
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < G
-    mask_d = offs_d < D
-    heads = kvh * G + offs_g  # query heads of this kv head
-
-    q_ptrs = Q + b64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if not USE_DOT:
-        q = q.to(tl.float32)
-
-    if PAGED:  # K/V [N, H_kv, D]: column c of row b is slot TABLE[b, c]
-        k_base = K + kvh64 * stride_kh
-        v_base = V + kvh64 * stride_vh
-    else:
-        k_base = K + b64 * stride_kb + kvh64 * stride_kh
-        v_base = V + b64 * stride_vb + kvh64 * stride_vh
-
-    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        if PAGED:
-            rows = tl.load(TABLE + b64 * stride_tb + offs_n, mask=mask_n, other=0).to(tl.int64)
-        else:
-            rows = offs_n.to(tl.int64)
-        k = tl.load(k_base + rows[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        if USE_DOT:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        else:
-            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        qk = qk * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    has_work = (tl.zeros([G_PAD], dtype=tl.int32) + lo) < hi  # [G_PAD] bool
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if SINGLE_SPLIT:
-        out_ptrs = OUT + b64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    else:
-        # MID_O: [B, Hq, NUM_SPLITS, BLOCK_D] fp32; MID_LSE: [B, Hq, NUM_SPLITS] fp32 (contiguous)
-        row = (b64 * (H_KV * G) + heads.to(tl.int64)) * NUM_SPLITS + split  # [G_PAD]
-        tl.store(MID_O + row[:, None] * BLOCK_D + offs_d[None, :], o,
-                 mask=(mask_g & has_work)[:, None] & (offs_d < BLOCK_D)[None, :])
-        lse = m_i + tl.log2(l_safe)
-        tl.store(MID_LSE + row, lse, mask=mask_g & has_work)
-        if FUSED_REDUCE:
-            # The last of this (row, kv head)'s programs to finish merges all partials.
-            # acq_rel: our partial stores are released before the increment; the last
-            # program acquires everybody else's.
-            ticket = tl.atomic_add(COUNTER + pid_bh, 1, sem="acq_rel")
-            if ticket == NUM_SPLITS - 1:
-                tl.atomic_xchg(COUNTER + pid_bh, 0, sem="relaxed")  # ready for the next launch
-                first = row_start // CHUNK
-                last = tl.where(row_start < end, (end - 1) // CHUNK, first - 1)
-                row0 = (b64 * (H_KV * G) + heads.to(tl.int64)) * NUM_SPLITS  # [G_PAD]
-                m_run = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-                den = tl.zeros([G_PAD], dtype=tl.float32)
-                num = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-                for s0 in range(first, last + 1, SPLIT_TILE):
-                    offs_s = s0 + tl.arange(0, SPLIT_TILE)
-                    ms = mask_g[:, None] & (offs_s <= last)[None, :]  # [G_PAD, SPLIT_TILE]
-                    rows = row0[:, None] + offs_s[None, :]
-                    lse_t = tl.load(MID_LSE + rows, mask=ms, other=float("-inf"))
-                    o_t = tl.load(MID_O + rows[:, :, None] * BLOCK_D + offs_d[None, None, :],
-                                  mask=ms[:, :, None] & (offs_d < BLOCK_D)[None, None, :], other=0.0)
-                    m_new = tl.maximum(m_run, tl.max(lse_t, axis=1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_run - m_safe)
-                    w = tl.exp2(lse_t - m_safe[:, None])
-                    den = den * alpha + tl.sum(w, axis=1)
-                    num = num * alpha[:, None] + tl.sum(w[:, :, None] * o_t, axis=1)
-                    m_run = m_new
-                den = tl.where(den > 0.0, den, 1.0)
-                res = num / den[:, None]
-                out_ptrs = OUT + b64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-                tl.store(out_ptrs, res.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-
-
-def _stage2_src(
-    MID_O, MID_LSE, START, END_PTR, end_val, OUT,
-    HQ, CHUNK, NUM_SPLITS,
-    stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    END_FROM_PTR: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = pid // HQ
-    h = pid % HQ
-    if END_FROM_PTR:
-        end = tl.load(END_PTR).to(tl.int32)
-    else:
-        end = end_val
-    row_start = tl.load(START + b).to(tl.int32)
-    first = row_start // CHUNK
-    last = (end - 1) // CHUNK
-
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    nonempty = (tl.zeros([SPLITS_PAD], dtype=tl.int32) + row_start) < end
-    mask_s = (offs_s >= first) & (offs_s <= last) & (offs_s < NUM_SPLITS) & nonempty
-    base = pid.to(tl.int64) * NUM_SPLITS
-    lse = tl.load(MID_LSE + base + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-    o = tl.load(MID_O + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    num = tl.sum(w[:, None] * o, axis=0)
-    den = tl.sum(w, axis=0)
-    den = tl.where(den > 0.0, den, 1.0)
-    out = num / den
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
-             mask=offs_d < D)
-
-
-_JIT_KW = {"_decode_stage1": dict(do_not_specialize=["end_val", "CHUNK", "NUM_SPLITS"]),
+_JIT_KW = {"_decode_stage1": dict(do_not_specialize=["end_val", "B", "CHUNK", "NUM_SPLITS"]),
            "_decode_stage2": dict(do_not_specialize=["end_val", "CHUNK", "NUM_SPLITS"])}
 
 _decode_stage1 = triton.jit(**_JIT_KW["_decode_stage1"])(_stage1_src)
@@ -276,8 +117,8 @@ def _sm_count(device: torch.device) -> int:
     return 132  # H200 default, keeps CPU tests on the same split schedule
 
 
-def _pick_config(G: int, block_d: int, dtype: torch.dtype) -> Tuple[bool, int, int, int]:
-    """(use_dot, G_PAD, BLOCK_N, num_warps) for the stage-1 kernel.
+def _pick_config(G: int, block_d: int, dtype: torch.dtype) -> Tuple[bool, int, int]:
+    """(use_dot, BLOCK_N, num_warps) for the stage-1 kernel.
 
     Measured on an H200 (bf16, D=64, ctx 2048, Hq/H_kv = 32/8 and 9/3): tl.dot with
     the query heads padded to 16 rows beat the broadcast multiply-reduce by 2x
@@ -286,15 +127,23 @@ def _pick_config(G: int, block_d: int, dtype: torch.dtype) -> Tuple[bool, int, i
     layer (BLOCK_N=64) at batch 1, 16.1 vs 17.2 at batch 16 with ragged rows and
     equal with full rows; wider heads keep 64 (D=128) or 32 so the K/V tiles fit.
     """
-    g_pad = triton.next_power_of_2(G)
-    use_dot = True
-    if use_dot:
-        g_pad = max(16, g_pad)
-        block_n = 128 if block_d <= 64 else 64 if block_d <= 128 else 32
-        return True, g_pad, block_n, 4
-    # multiply-reduce: keep the [G_PAD, BLOCK_N, BLOCK_D] fp32 product near 8K elements
-    block_n = max(16, min(64, 8192 // (g_pad * block_d)))
-    return False, g_pad, block_n, 4
+    return True, (128 if block_d <= 64 else 64 if block_d <= 128 else 32), 4
+
+
+def _mr_block_n(m: int, block_d: int) -> int:
+    """BLOCK_N of the multiply-reduce path: the [M, BLOCK_N, BLOCK_D] fp32 product near 8K elements."""
+    return max(16, min(64, 8192 // (m * block_d)))
+
+
+CASCADE_MIN_BATCH = 32
+
+
+def rows_per_program(B: int, G: int, paged: bool) -> int:
+    """Rows a stage-1 program takes: 1 for small batches and dense caches (nothing to share), else as many
+    as stack ``G`` query heads each into 16 query rows (the smallest ``tl.dot`` tile)."""
+    if not paged or B < CASCADE_MIN_BATCH:
+        return 1
+    return max(1, 16 // triton.next_power_of_2(G))
 
 
 _COUNTERS: dict = {}
@@ -322,7 +171,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def choose_num_splits(B: int, H_kv: int, S: int, block_n: int, num_sms: int = 132) -> Tuple[int, int]:
     """(num_splits, chunk) for capacity ``S``: a function of shapes only, never of ``end``.
 
-    Aims for about 2 programs per SM over ``B * H_kv * num_splits`` stage-1
+    ``B``: the stage-1 programs' blocks of rows. Aims for about 2 programs per SM over ``B * H_kv * num_splits`` stage-1
     programs, with chunks of at least ``max(block_n, 64)`` columns and a multiple of
     ``block_n``.
     """
@@ -353,6 +202,7 @@ def decode_attention(
     num_warps: Optional[int] = None,
     fused_reduce: bool = True,
     table: Optional[torch.Tensor] = None,
+    rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per row over a left-padded KV cache.
 
@@ -394,18 +244,24 @@ def decode_attention(
         assert out.shape == q.shape and out.stride(-1) == 1
 
     block_d = triton.next_power_of_2(D)
-    cfg_dot, g_pad, cfg_bn, cfg_warps = _pick_config(G, block_d, q.dtype)
+    cfg_dot, cfg_bn, cfg_warps = _pick_config(G, block_d, q.dtype)
+    rows = rows_per_program(B, G, paged) if rows is None else rows
+    assert rows >= 1 and rows & (rows - 1) == 0 and (paged or rows == 1), "rows: a power of two (1 when dense)"
+    gp = triton.next_power_of_2(G)
+    m = rows * gp
     if use_dot is not None and use_dot != cfg_dot:
         cfg_dot = use_dot
-        g_pad = max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G)
         if not use_dot:
-            cfg_bn = max(16, min(64, 8192 // (g_pad * block_d)))
+            cfg_bn = _mr_block_n(m, block_d)
+    if cfg_dot:
+        m = max(m, 16)
     if block_n is not None:
         cfg_bn = block_n
     if num_warps is not None:
         cfg_warps = num_warps
+    blocks = -(-B // rows)
     if num_splits is None:
-        splits, chunk = choose_num_splits(B, H_kv, S, cfg_bn, _sm_count(q.device))
+        splits, chunk = choose_num_splits(blocks, H_kv, S, cfg_bn, _sm_count(q.device))
     else:
         splits = max(1, min(int(num_splits), -(-S // cfg_bn)))
         chunk = -(-(-(-S // splits)) // cfg_bn) * cfg_bn
@@ -439,19 +295,19 @@ def decode_attention(
         mid_lse = torch.empty((B, Hq, splits), device=q.device, dtype=torch.float32)
 
     fused = fused_reduce and not single
-    counter = _counters(q.device, B * H_kv) if fused else start  # dummy when unused
+    counter = _counters(q.device, blocks * H_kv) if fused else start  # dummy when unused
 
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    stage1[(B * H_kv, splits)](
+    stage1[(blocks * H_kv, splits)](
         q, k_cache, v_cache, table if paged else start, table.stride(0) if paged else 0, start, end_ptr, end_val,
         mid_o, mid_lse, out, counter,
         float(sm_scale) * 1.4426950408889634,
-        H_kv, chunk,
+        B, H_kv, chunk,
         q.stride(0), q.stride(1),
         *k_strides, *v_strides,
         out.stride(0), out.stride(1),
         splits,
-        G=G, G_PAD=g_pad, D=D, BLOCK_D=block_d, BLOCK_N=cfg_bn,
+        G=G, GP=gp, ROWS=rows, M=m, D=D, BLOCK_D=block_d, BLOCK_N=cfg_bn,
         END_FROM_PTR=end_from_ptr, USE_DOT=cfg_dot, DOT_PREC=dot_prec,
         SINGLE_SPLIT=single, FUSED_REDUCE=fused, SPLIT_TILE=8, PAGED=paged,
         num_warps=cfg_warps,

@@ -36,6 +36,7 @@ class KVPool:
         self.ahead = headroom         # columns [end, ahead) of every row have slots
         self.version = 0              # bumped by every change but a decode step's column (run-ahead keys)
         self._dirty: list[tuple[int, int, int, int]] = []  # (row lo, row hi, col lo, col hi) not yet mirrored
+        self._shares = (-1, False)    # (version, shares_prefixes())
 
     @property
     def data(self) -> torch.Tensor:
@@ -163,6 +164,24 @@ class KVPool:
     def segment_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """The K/V of tokens [start, end) of a row, [L, 2, H_kv, T, D] (a copy, for scoring)."""
         return self.store.gather(torch.from_numpy(self.segment(slot, start, end))).transpose(2, 3)
+
+    def shares_prefixes(self, block: int = 4, depth: int = 128) -> bool:
+        """Whether most rows share their first `depth` tokens (the same store slots: a trie prefix) with the
+        first row of their block of `block` consecutive slots: the GPU's decode attention then reads such
+        tiles once for a block of rows (cascade), which costs rows that share nothing. Cached per `version`
+        (a decode step's new column changes no prefix)."""
+        if self._shares[0] == self.version:
+            return self._shares[1]
+        n = self.rows
+        first = np.arange(n) // block * block
+        starts = np.asarray(self.start[:n], dtype=np.int64)
+        deep = self.end - starts >= depth
+        slots = self.table.numpy()[np.arange(n), np.minimum(starts + depth - 1, self.column_capacity - 1)]
+        follower = np.arange(n) != first
+        same = follower & deep & deep[first] & (slots == slots[first])
+        shares = bool(2 * same.sum() >= max(follower.sum(), 1)) if n else False
+        self._shares = (self.version, shares)
+        return shares
 
     # ----- what the kernels read --------------------------------------------------------------------
 

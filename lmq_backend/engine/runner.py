@@ -103,7 +103,7 @@ class ModelRunner:
         decoder = self._fused_decoder(pool)
         run_ahead = ahead is not None and None not in ahead
         logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, ahead if run_ahead else None,
-                                   key=pool.version if run_ahead else None)
+                                   key=pool.version if run_ahead else None, cascade=pool.shares_prefixes())
         if decoder.masks is not None:  # the step picked on the device
             self.picks = decoder.picks
             # no float32 copy of [B, V] where the caller reads the picks only

@@ -92,7 +92,8 @@ class FusedDecoder(GraphSteps, Prefill):
         self.gu = mk(n, 2 * self.inter)
         self.act = mk(n, self.inter)
         self.logits = mk(n, self.vocab)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}   # (bucket, cascade)
+        self.cascade = True          # attention may read tiles rows share once for a block of rows
         self._graph_pool = None
         # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
         self.masks = None
@@ -159,7 +160,8 @@ class FusedDecoder(GraphSteps, Prefill):
                               self.end, self.nrows)                                 # K/V -> pool
             if self.triton:
                 decode_attention(self.q[:bp], self.k_cache[l], self.v_cache[l], start, self.end1,
-                                 sm_scale=lw.scaling, out=self.attn[:bp], table=self.table)  # [bp, Hq, D]
+                                 sm_scale=lw.scaling, out=self.attn[:bp], table=self.table,
+                                 rows=None if self.cascade else 1)                       # [bp, Hq, D]
             else:
                 self._attend_cpu(l, bp, lw.scaling)
             self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True)   # x += attn @ Wo^T
@@ -201,10 +203,12 @@ class FusedDecoder(GraphSteps, Prefill):
 
     @torch.inference_mode()
     def step_host(self, tokens: list[int], starts: list[int], end: int, ahead: list[int] | None = None,
-                  key=None) -> torch.Tensor:
+                  key=None, cascade: bool = True) -> torch.Tensor:
         """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
         goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
-        `ahead`: per row, the greedy mask a run-ahead step picks its token with; `key`: see `run_ahead`."""
+        `ahead`: per row, the greedy mask a run-ahead step picks its token with; `key`: see `run_ahead`;
+        `cascade`: whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention
+        then reads a shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
         B = len(tokens)
         ahead = tuple(ahead) if ahead is not None else (0,) * B
         last = (key, tuple(starts)) if key is not None else None
@@ -213,6 +217,7 @@ class FusedDecoder(GraphSteps, Prefill):
                 self._set_ahead(ahead)
             return self.logits[:B]
         self._last, self._ahead_used = last, ahead
+        self.cascade = cascade
         bp = self._check(B, end)
         n = self.max_batch
         if self._host_free is not None:
@@ -238,9 +243,9 @@ class FusedDecoder(GraphSteps, Prefill):
         if not self.use_graphs:
             self._forward(bp)
         else:
-            graph = self.graphs.get(bp)
+            graph = self.graphs.get((bp, self.cascade))
             if graph is None:
-                graph = self.graphs[bp] = self._capture(bp)
+                graph = self.graphs[bp, self.cascade] = self._capture(bp)
             graph.replay()
         self._copy_picks(B)
         return self.logits[:B]

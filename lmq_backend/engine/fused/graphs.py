@@ -77,7 +77,7 @@ class GraphSteps:
         whether it launched."""
         if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
             return False
-        self.graphs[bucket_for(self._nrows_int, self.max_batch)].replay()
+        self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade].replay()
         self._end_int += 1
         self._ahead_key = (self._last, self._end_int, self.picks, self._ahead_used)
         self.ran_ahead += 1
