@@ -145,7 +145,7 @@ def test_words_kept_give_the_tokenizers_ids_in_any_context(tokenizer, seed):
         # words seen before are not tokenized again (a word cut needs ASCII on both sides: " é" joins the word
         # before it, " x\n the" is one word, so half the characters are still new)
         assert sum(map(len, sent)) < 0.6 * sum(map(len, texts))
-        # new words go to the tokenizer joined only where they meet at a cut: whatever was sent splits into
+        # new words go to the tokenizer joined where they meet at a word cut: whatever was sent splits into
         # words that are kept now (two joined where they do not meet would be one word, never kept)
         assert all(w in encoder._words for t in sent for w in prefix_encode._WORD_CUT.split(t))
 
@@ -181,3 +181,10 @@ def test_added_tokens_spanning_a_word_cut_turn_words_off(tokenizer, token):
         t for w in prefix_encode._WORD_CUT.split(texts[0]) for t in tok.encode(w, add_special_tokens=False)]
     encoder = check_exact(tok, texts + word_texts(0, 50))
     assert encoder._words is None
+
+
+def test_words_kept_stay_bounded(tokenizer, monkeypatch):
+    """Past MAX_WORDS the kept words are dropped and kept again as they recur, the ids unchanged."""
+    monkeypatch.setattr(prefix_encode, "MAX_WORDS", 40)
+    encoder = check_exact(tokenizer, word_texts(3, 200))
+    assert 0 < len(encoder._words) <= 40

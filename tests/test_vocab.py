@@ -98,12 +98,18 @@ def test_size_larger_than_tokenizer(smollm):
 
 
 def test_encode_lru(smollm):
-    v = VocabIndex.for_tokenizer(smollm)
-    a = v.encode("some segment of a prompt")
-    a.append(-1)  # callers get a fresh list
-    b = v.encode("some segment of a prompt")
-    assert b == smollm.encode("some segment of a prompt", add_special_tokens=False)
-    assert v._encode_cached.cache_info().hits >= 1
+    """A tokenizer the prefix encoder takes is encoded by its kept words (no LRU of whole texts); any other
+    through the LRU. Either way a caller gets a fresh list."""
+    from conftest import llama_style_tokenizer
+
+    for tok, words in ((smollm, True), (llama_style_tokenizer(), False)):
+        v = VocabIndex.for_tokenizer(tok)
+        a = v.encode("some segment of a prompt")
+        a.append(-1)  # callers get a fresh list
+        b = v.encode("some segment of a prompt")
+        assert b == tok.encode("some segment of a prompt", add_special_tokens=False)
+        assert v._encode_cached.cache_info().hits == (0 if words else 1)
+        assert bool(v._prefix_encoder) == words and (not words or " prompt" in v._prefix_encoder._words)
 
 
 def test_lookups(smollm):

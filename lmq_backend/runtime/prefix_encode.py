@@ -19,15 +19,14 @@ cut c), so two texts sharing a prefix share its cuts, and the ids before a cut a
 text[:c + 1].
 
 The text after the cut (all of it, for a short text or no stored prefix) is split at *word cuts* too: a
-space between two printable ASCII characters (text[p] == " ", text[p - 1] and text[p + 1] in "!".."~"), and
-a cut as above between two of them (text[p - 1] == "\n", text[p - 2] and text[p] in "!".."~"). None of the
-accepted expressions (GPT-2's, Llama-3's, Qwen's) has a piece holding a non-space character followed by a
-space, and none looks behind, so a piece starts at every word cut whatever came before; NFC composes nothing
-across a space; and with no added token containing a space or taking the whitespace after it (`rstrip`),
-none spans one. So the ids of the text are the ids of its *words* (the pieces between word cuts: " coffee",
-" week.\n", "Summary:"), each tokenized alone, which are kept by text (`MAX_WORDS`): a new prompt tail costs
-a dictionary lookup a word, and its unseen words a call of the tokenizer for those that meet at a cut when
-joined.
+space between two printable ASCII characters (text[p] == " ", text[p - 1] and text[p + 1] in "!".."~"). None
+of the accepted expressions (GPT-2's, Llama-3's, Qwen's) has a piece holding a non-space character followed
+by a space, and none looks behind, so a piece starts at every word cut whatever came before; NFC composes
+nothing across a space; and with no added token containing a space or taking the whitespace after it
+(`rstrip`), none spans one. So the ids of the text are the ids of its *words* (the pieces between word cuts:
+" coffee", " week.\nSummary:"), each tokenized alone, which are kept by text (`MAX_WORDS`): a new prompt tail
+costs a dictionary lookup a word, and its unseen words one call of the tokenizer (joined in order, they meet
+at word cuts again: each but the last ends in a printable character, each but the first starts with " X").
 
 A text whose ids do not add up to its bytes (a tokenizer the rule above does not describe) is never
 stored, and tests compare the result with the tokenizer's own on random texts.
@@ -47,11 +46,10 @@ SPREAD = 32         # (the tail tokenized again stays short; the stored keys' ch
 MIN_TEXT = 1024     # no prefix of a shorter text is stored (it is tokenized by its words)
 MAX_ENTRIES = 4096  # stored prefixes (least recently used dropped first)
 RECENT = 4          # keys found last whose cuts are remembered
-MAX_WORDS = 1 << 16  # words kept (all dropped when full: a cache of the tokenizer's own ids, refilled on use)
-MAX_WORD = 256       # longer words (text with no word cut) are tokenized, not kept
+MAX_WORDS = 1 << 15  # words kept (all dropped when full: a cache of the tokenizer's own ids, refilled on use)
+MAX_WORD = MIN_TEXT  # longer words (text with no word cut) are tokenized, not kept
 _NEWLINE = re.compile(r"\n(?=\S)")  # a newline before a character that is no space (a literal first: fast)
-# before a space between printable ASCII characters, and after a newline between them (a cut as above)
-_WORD_CUT = re.compile(r"(?<=[!-~])(?= [!-~])|(?<=[!-~]\n)(?=[!-~])")
+_WORD_CUT = re.compile(r"(?= [!-~])(?<=[!-~])")  # before a space between printable ASCII characters
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
 # Split expressions whose pieces never hold a non-space character followed by a space (Llama-3's, Qwen2's,
 # GPT-2's): word cuts are exact under them (ByteLevel's own expression, use_regex, is GPT-2's)
@@ -116,38 +114,28 @@ class PrefixEncoder:
         return ids
 
     def _encode_words(self, text: str) -> list[int]:
-        """The ids of `text` from the ids of its words (see the module doc); the unseen ones tokenized
-        together where they meet at a cut (one call of the tokenizer for a tail's new words, mostly), their
-        ids split at the words' byte ends."""
+        """The ids of `text` from the ids of its words (see the module doc); the unseen ones tokenized in one
+        call, joined, their ids split at the words' byte ends."""
         words = self._words
-        if words is None or not text:
+        if words is None:
             return self._encode(text)
+        if not text:
+            return []
         parts = _WORD_CUT.split(text)
         found = list(map(words.get, parts))
         if None in found:
             new = [i for i, f in enumerate(found) if f is None]
-            groups = [[new[0]]]
-            for i in new[1:]:
-                # after a newline cut a word starts with no space: joined, two words meet at a cut if the
-                # first ends as the word before the second did (a newline or not)
-                last = parts[groups[-1][-1]]
-                if groups[-1][-1] == i - 1 or (last[-1] == "\n") == (parts[i][0] != " "):
-                    groups[-1].append(i)
-                else:
-                    groups.append([i])
-            spelled = self._spelled
-            for group in groups:
-                ids, k = self._encode("".join(parts[i] for i in group)), 0
-                for i in group:  # each word's ids: those spelling its bytes
-                    start, left = k, len(parts[i].encode("utf-8"))
-                    while left > 0 and k < len(ids):
-                        left -= spelled[ids[k]]
-                        k += 1
-                    if left or k == start:
-                        return self._encode(text)  # ids not split at the words: not this rule's tokenizer
-                    found[i] = tuple(ids[start:k])
-                if k != len(ids):
-                    return self._encode(text)
+            ids, k, spelled = self._encode("".join(parts[i] for i in new)), 0, self._spelled
+            for i in new:  # each word's ids: those spelling its bytes
+                start, left = k, len(parts[i].encode("utf-8"))
+                while left > 0 and k < len(ids):
+                    left -= spelled[ids[k]]
+                    k += 1
+                if left or k == start:
+                    return self._encode(text)  # ids not split at the words: not this rule's tokenizer
+                found[i] = tuple(ids[start:k])
+            if k != len(ids):
+                return self._encode(text)
             if len(words) + len(new) > MAX_WORDS:
                 words.clear()
             for i in new:

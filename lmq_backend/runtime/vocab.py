@@ -179,14 +179,16 @@ class VocabIndex:
         self._encode_cached = lru_cache(maxsize=8192)(self._encode_tuple)
 
     def _encode_tuple(self, text: str) -> tuple[int, ...]:
-        if self._prefix_encoder is None:
-            self._prefix_encoder = PrefixEncoder.for_tokenizer(self.tokenizer, self.n_bytes) or False
-        if self._prefix_encoder:
-            return tuple(self._prefix_encoder.encode(text))
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
-        """`tokenizer.encode(text, add_special_tokens=False)`, memoized with an LRU (a fresh list)."""
+        """`tokenizer.encode(text, add_special_tokens=False)` (a fresh list): from the prefixes and words the
+        prefix encoder keeps, for a tokenizer it takes (prefix_encode.py); else memoized with an LRU."""
+        encoder = self._prefix_encoder
+        if encoder is None:
+            encoder = self._prefix_encoder = PrefixEncoder.for_tokenizer(self.tokenizer, self.n_bytes) or False
+        if encoder:
+            return encoder.encode(text)
         return list(self._encode_cached(text))
 
     def encode_continuation(self, text: str) -> list[int]:
