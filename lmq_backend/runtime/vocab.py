@@ -1,6 +1,7 @@
 """`VocabIndex`: everything the constraint masks need to know about a tokenizer, built once per tokenizer.
 
-The index sees every token as the exact UTF-8 bytes it contributes to decoded text (`token_bytes`):
+The index sees every token as the exact UTF-8 bytes it contributes to decoded text (`token_bytes`, read by
+`token_bytes.py`):
 byte-level BPE (GPT-2, SmolLM2, Llama-3: the `bytes_to_unicode` alphabet), SentencePiece style (`▁` for a
 space, `<0xNN>` byte-fallback tokens) and added tokens (their literal content). Special/control tokens,
 ids past the tokenizer (a model whose logits are wider than the tokenizer) and tokens that contribute no
@@ -16,8 +17,6 @@ happen once per tokenizer, or once per pattern, never per generation step.
 from __future__ import annotations
 
 import bisect
-import json
-import os
 import re
 import threading
 import weakref
@@ -27,46 +26,14 @@ from typing import Any, Iterable
 import numpy as np
 
 from .prefix_encode import PrefixEncoder
+from .token_bytes import bytes_to_unicode, eos_ids, token_bytes_table, tokenizer_length, utf8_scan
 
 __all__ = ["VocabIndex", "bytes_to_unicode"]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-level alphabet: byte -> printable unicode character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
-_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
 _ATTR = "_lmq_vocab_index"
 _registry: "weakref.WeakKeyDictionary[Any, dict[int, VocabIndex]]" = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
-
-
-def _decoder_types(node: Any, out: set[str]) -> set[str]:
-    if isinstance(node, dict):
-        t = node.get("type")
-        if isinstance(t, str):
-            out.add(t)
-            if t == "Replace" and node.get("content") == " ":
-                pattern = node.get("pattern") or {}
-                if isinstance(pattern, dict) and pattern.get("String") == "▁":
-                    out.add("ReplaceMetaspace")
-        for v in node.values():
-            _decoder_types(v, out)
-    elif isinstance(node, list):
-        for v in node:
-            _decoder_types(v, out)
-    return out
 
 
 def _increment(prefix: bytes) -> bytes | None:
@@ -102,7 +69,7 @@ class VocabIndex:
     def for_tokenizer(cls, tokenizer: Any, size: int | None = None) -> "VocabIndex":
         """The index of `tokenizer` for logits of width `size` (default: the tokenizer's length);
         memoized per tokenizer object and size."""
-        n_tok = _tokenizer_length(tokenizer)
+        n_tok = tokenizer_length(tokenizer)
         size = n_tok if size is None else int(size)
         if size <= 0:
             raise ValueError(f"vocabulary size must be positive, not {size}")
@@ -134,11 +101,11 @@ class VocabIndex:
     def __init__(self, tokenizer: Any, size: int):
         self.tokenizer = tokenizer
         self.size = size
-        n_tok = min(_tokenizer_length(tokenizer), size)
-        token_bytes, special_ids = _token_bytes_table(tokenizer, n_tok)
+        n_tok = min(tokenizer_length(tokenizer), size)
+        token_bytes, special_ids = token_bytes_table(tokenizer, n_tok)
         token_bytes += [b""] * (size - len(token_bytes))
         self.token_bytes = token_bytes
-        self.eos_ids = frozenset(i for i in _eos_ids(tokenizer) if 0 <= i < size)
+        self.eos_ids = frozenset(i for i in eos_ids(tokenizer) if 0 <= i < size)
 
         special = np.zeros(size, dtype=bool)
         special[n_tok:] = True
@@ -150,7 +117,7 @@ class VocabIndex:
         self.special = special
         self.nonspecial = ~special
         self.n_bytes = n_bytes
-        scans = [_utf8_scan(b, 0) for b in token_bytes]
+        scans = [utf8_scan(b, 0) for b in token_bytes]
         self.n_chars = np.fromiter((c for c, _ in scans), dtype=np.int32, count=size)
         self._utf8_next0 = np.fromiter((e for _, e in scans), dtype=np.int8, count=size)
         self._utf8: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -304,7 +271,7 @@ class VocabIndex:
                 for i in np.flatnonzero((self.n_bytes > 0) & self.nonspecial).tolist():
                     b = self.token_bytes[i]
                     if b[0] & 0xC0 == 0x80:
-                        chars[i], nxt[i] = _utf8_scan(b, pending)
+                        chars[i], nxt[i] = utf8_scan(b, pending)
             chars.flags.writeable = False
             nxt.flags.writeable = False
             hit = self._utf8[pending] = (chars, nxt)
@@ -330,130 +297,6 @@ class VocabIndex:
 
 
 # ----- helpers ------------------------------------------------------------------------------------------
-
-def _tokenizer_length(tokenizer: Any) -> int:
-    try:
-        n = len(tokenizer)
-    except TypeError:
-        n = int(getattr(tokenizer, "vocab_size"))
-    try:
-        ids = [int(i) for i in getattr(tokenizer, "get_vocab")().values()]
-        if ids:
-            n = max(n, max(ids) + 1)
-    except Exception:
-        pass
-    return n
-
-
-def _utf8_scan(b: bytes, pending: int) -> tuple[int, int]:
-    """(characters added, continuation bytes still expected) for bytes `b` after `pending` expected."""
-    chars = 0
-    for c in b:
-        if c & 0xC0 == 0x80:
-            if pending:
-                pending -= 1
-            else:
-                chars += 1
-        else:
-            chars += 1
-            pending = 1 if 0xC0 <= c < 0xE0 else 2 if 0xE0 <= c < 0xF0 else 3 if 0xF0 <= c < 0xF8 else 0
-    return chars, pending
-
-
-def _eos_ids(tokenizer: Any) -> set[int]:
-    out: set[int] = set()
-
-    def add(v: Any) -> None:
-        if isinstance(v, int):
-            out.add(v)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                add(x)
-
-    add(getattr(tokenizer, "eos_token_id", None))
-    gc = getattr(tokenizer, "generation_config", None)
-    if gc is not None:
-        add(getattr(gc, "eos_token_id", None))
-    path = getattr(tokenizer, "name_or_path", None)
-    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
-        f = os.path.join(path, "generation_config.json")
-        if os.path.isfile(f):
-            try:
-                with open(f, encoding="utf-8") as fh:
-                    add(json.load(fh).get("eos_token_id"))
-            except (OSError, ValueError):
-                pass
-    return out
-
-
-def _token_bytes_table(tokenizer: Any, n: int) -> tuple[list[bytes], set[int]]:
-    """(bytes of each id < n, ids of special tokens)."""
-    special: set[int] = set(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
-    added: dict[int, Any] = {}
-    try:
-        added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    except Exception:
-        added = {}
-    for i, t in added.items():
-        if getattr(t, "special", False):
-            special.add(int(i))
-
-    kind = "generic"
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    byte_fallback = False
-    if backend is not None:
-        try:
-            spec = json.loads(backend.to_str())
-            types = _decoder_types(spec.get("decoder"), set())
-            model = spec.get("model") or {}
-            byte_fallback = bool(model.get("byte_fallback")) or "ByteFallback" in types
-            if "ByteLevel" in types:
-                kind = "bytelevel"
-            elif "Metaspace" in types or "ReplaceMetaspace" in types or byte_fallback:
-                kind = "sentencepiece"
-        except Exception:
-            kind = "generic"
-    elif hasattr(tokenizer, "sp_model"):
-        kind = "sentencepiece"
-        byte_fallback = True
-
-    try:
-        pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
-    except Exception:
-        pieces = [None] * n
-
-    out: list[bytes] = []
-    for i in range(n):
-        if i in special:
-            out.append(b"")
-            continue
-        t = added.get(i)
-        if t is not None:
-            out.append(str(getattr(t, "content", t)).encode("utf-8"))
-            continue
-        piece = pieces[i]
-        if piece is None:
-            out.append(b"")
-            continue
-        if isinstance(piece, bytes):
-            out.append(piece)
-            continue
-        if kind == "bytelevel":
-            try:
-                out.append(bytes(_BYTE_DECODER[c] for c in piece))
-            except KeyError:
-                out.append(piece.encode("utf-8"))
-        elif kind == "sentencepiece":
-            m = _SP_BYTE.fullmatch(piece) if byte_fallback else None
-            out.append(bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode("utf-8"))
-        else:
-            try:
-                text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            except Exception:
-                text = piece
-            out.append(text.encode("utf-8"))
-    return out, special
-
 
 def _build_ll_tokenizer(index: VocabIndex) -> Any:
     import llguidance
