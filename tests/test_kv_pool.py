@@ -36,3 +36,24 @@ def test_the_answer_follows_the_rows():
     assert pool.shares_prefixes()  # 3 of 6 followers share their block's first row's prefix
     pool.remove_row(1)             # the last row (its own tokens) moves into slot 1
     assert not pool.shares_prefixes()
+
+
+def test_a_rows_own_slots_are_freed_and_nothing_else():
+    """KVStore.free_rows: of a row's table (zero slot, trie slots, its own), only its own go back, lowest on
+    top of the free list; a slot listed twice is an error, not freed twice."""
+    import numpy as np
+    import pytest
+
+    store = KVStore(1, 1, 4, torch.float32, "cpu", capacity=64)
+    trie = store.alloc(5)
+    store.take(trie)
+    own = store.alloc(7)
+    table = np.concatenate([[0, 0], trie, own[::-1]]).astype(np.int32)
+    free_before = store.free_slots
+    assert store.free_rows(table) == 7
+    assert store.free_slots == free_before + 7
+    store.check(trie_slots=[trie])
+    assert (store.alloc(7) == np.sort(own)).all()  # the lowest first, as before
+    twice = store.alloc(3)
+    with pytest.raises(AssertionError):
+        store.free_rows(np.concatenate([twice, twice[:1]]).astype(np.int32))

@@ -111,18 +111,25 @@ class KVStore:
         """Return slots to the free list (ROW or TRIE slots; each at most once)."""
         if len(slots) == 0:
             return
-        assert (self.owner[slots] != FREE).all() and (self.owner[slots] != RESERVED).all(), "double free"
-        self.owner[slots] = FREE
-        top = self._n_free
-        self._free[top:top + len(slots)] = np.sort(slots)[::-1]
-        self._n_free = top + len(slots)
+        owner = self.owner[slots]
+        assert ((owner == ROW) | (owner == TRIE)).all(), "double free"
+        self._push(np.sort(slots))
 
     def free_rows(self, slots: np.ndarray) -> int:
         """Free those of `slots` that a row owns (a row's table also points at trie and zero slots);
         returns how many."""
-        mine = np.unique(slots[self.owner[slots] == ROW])
-        self.free(mine)
+        mine = np.sort(slots[self.owner[slots] == ROW])
+        if len(mine):
+            self._push(mine)
         return len(mine)
+
+    def _push(self, ascending: np.ndarray) -> None:
+        """Owned slots, sorted, back on the free list (lowest on top)."""
+        assert (ascending[1:] != ascending[:-1]).all(), "a slot freed twice at once"
+        self.owner[ascending] = FREE
+        top = self._n_free
+        self._free[top:top + len(ascending)] = ascending[::-1]
+        self._n_free = top + len(ascending)
 
     def take(self, slots: np.ndarray) -> None:
         """ROW -> TRIE: a finished segment's slots now belong to a trie node."""
