@@ -256,7 +256,7 @@ class HFBackend(Backend):
         self._evictions_at_reset = self.trie.evictions
 
     def record_call(self, template: str, seconds: float) -> None:
-        t = self._templates.setdefault(template, TemplateStats())
+        t = self._template(template)
         t.calls += 1
         t.latencies.append(seconds)
         self._totals.calls += 1
@@ -272,8 +272,11 @@ class HFBackend(Backend):
                           for k, v in self._templates.items()},
         )
 
-    def _template(self, seq: Sequence) -> TemplateStats:
-        return self._templates.setdefault(seq.template, TemplateStats())
+    def _template(self, template: str) -> TemplateStats:
+        t = self._templates.get(template)
+        if t is None:  # (not setdefault: that would build a TemplateStats on every call)
+            t = self._templates[template] = TemplateStats()
+        return t
 
     # ----- the prefix trie ------------------------------------------------------------------------
 
@@ -316,7 +319,7 @@ class HFBackend(Backend):
 
     def _count_decoded(self, seq: Sequence, n: int) -> None:
         self._totals.tokens_decoded += n
-        self._template(seq).tokens_decoded += n
+        self._template(seq.template).tokens_decoded += n
 
     def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], row: Row, start: int) -> None:
         """Store the row's K/V of positions [start, start + len(ids)) under `parent`; pin what was stored."""
@@ -351,7 +354,7 @@ class _Prefill:
 
     def complete(self, logits: torch.Tensor, row: Row) -> None:
         b = self.backend
-        for t in (b._totals, b._template(self.seq)):
+        for t in (b._totals, b._template(self.seq.template)):
             t.record_prefill(len(self.ids), self.cached)
         if self.cached < self.prompt_len:
             b._insert(self.seq, self.node, self.ids[self.cached:self.prompt_len], row, self.cached)

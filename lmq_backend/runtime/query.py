@@ -72,6 +72,7 @@ class Query:
         first = next((line.strip() for line in source.strip().splitlines() if line.strip()), "query")
         self.name = name or first[:60]
         self._needs = free_names(self.ast) - set(dir(builtins))
+        self._returns = _has_return(self.ast.body)
 
     @property
     def backend(self) -> Backend:
@@ -87,15 +88,14 @@ class Query:
         if self.decoder.beam:  # n results, best first, whatever n is (LMQL returns a list for beams)
             results = await BeamSearch(self.ast, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
             backend.record_call(self.name, time.perf_counter() - started)
-            return [r.value if _has_return(self.ast.body) else r for r in results]
+            return [r.value if self._returns else r for r in results]
         runs = [Run(query=self.ast, backend=backend, env={**self.scope, **inputs},
                     sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
                 for i in range(self.decoder.n)]
         # one run: awaited in this task (a task of its own per call costs more than the call's bookkeeping)
         results = [await runs[0].execute()] if len(runs) == 1 else await asyncio.gather(*(r.execute() for r in runs))
         backend.record_call(self.name, time.perf_counter() - started)
-        has_return = _has_return(self.ast.body)
-        out = [r.value if has_return else r for r in results]
+        out = [r.value if self._returns else r for r in results]
         return out[0] if self.decoder.n == 1 else out
 
     async def __call__(self, *args, **kwargs):
