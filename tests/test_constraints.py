@@ -576,3 +576,41 @@ def test_stop_property(vocab, stop, before, seed):
     _check_stop(vocab, state, res)
     i = text.find(stop)
     assert res.text == (text[:i] if before else text[:i + len(stop)])
+
+
+# ----- a constraint compiled once, reused while its arguments keep their values ------------------------------
+
+def test_a_constraint_is_compiled_once_while_its_arguments_keep_plain_equal_values(vocab):
+    """The same constraint object whose arguments evaluate to equal plain values gets the compiled constraint
+    back; a new value compiles again (a stale one would keep the old limit or options)."""
+    c = ast.And((ast.LenLimit("X", "tokens", "<", N("n"), SPAN), ast.Call("STOPS_AT", "X", (N("stop"),), SPAN)))
+    scope = {"n": 5, "stop": "."}
+    ev = lambda e: eval(e.code, {}, scope)  # noqa: E731
+    first = compile_hole_constraint(c, ev, vocab)
+    assert compile_hole_constraint(c, ev, vocab) is first
+    assert first.max_tokens == 4 and first.stops[0].s == b"."
+    scope["n"] = 9
+    again = compile_hole_constraint(c, ev, vocab)
+    assert again is not first and again.max_tokens == 8
+    scope["stop"] = "!"
+    assert compile_hole_constraint(c, ev, vocab).stops[0].s == b"!"
+    scope["n"] = 1
+    compile_hole_constraint(c, ev, vocab)
+    scope["n"] = True  # equal to 1, but no int: the compiler's error, not the constraint of n=1
+    with pytest.raises(LMQRuntimeError):
+        compile_hole_constraint(c, ev, vocab)
+
+
+def test_a_constraint_with_a_mutable_argument_compiles_every_call(vocab):
+    options = ["yes", "no"]
+    c = ast.Choice("X", N("options"), SPAN)
+    ev = lambda e: eval(e.code, {}, {"options": options})  # noqa: E731
+    first = compile_hole_constraint(c, ev, vocab)
+    options.append("maybe")  # the same list, changed: its new option must be allowed
+    second = compile_hole_constraint(c, ev, vocab)
+    assert second is not first
+    state = second.start()
+    for t in vocab.encode("maybe"):
+        assert state.allowed()[t]
+        state.advance(t)
+    assert state.can_end()

@@ -197,10 +197,46 @@ class _Compiler:
         raise LMQCompileError(f"unknown constraint {c!r}")
 
 
+MAX_COMPILED = 256
+"""How many compiled constraints are kept for reuse (per vocabulary; all dropped when full)."""
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
 def compile_hole_constraint(c: ast.Constraint | None, evaluate: Callable[[ast.PyExpr], Any],
                             vocab: VocabIndex) -> HoleConstraint:
     """The run-time constraint of one hole (`c` as given by `constraint_for_hole`; None: free text).
-    `evaluate` evaluates argument expressions in the query's scope."""
+    `evaluate` evaluates argument expressions in the query's scope.
+
+    Compiling is a function of the constraint and the values of its arguments, and a `HoleConstraint` is
+    stateless (`start()` gives each generation its own state): so the same constraint object whose
+    arguments evaluate again to equal plain values (None, bool, int, float, str, tuples and frozensets of
+    them: compared with their types) gets the constraint compiled before (a query called over a data set
+    compiles its holes once). Any other value (a list, a dict: mutable) compiles every call."""
+    memo: dict[int, tuple] = vocab.memo("compiled", dict)  # id(c) -> (c, [(expr, key of its value)], compiled)
+    hit = memo.get(id(c))
+    if hit is not None and hit[0] is c:
+        try:
+            if all(_plain_key(evaluate(expr)) == key for expr, key in hit[1]):
+                return hit[2]
+        except Exception:  # noqa: BLE001 - the compiler below reports it as it does
+            pass
     comp = _Compiler(evaluate, vocab)
     node = comp.top(c)
-    return HoleConstraint(node, vocab, comp.stops, comp.max_tokens)
+    compiled = HoleConstraint(node, vocab, comp.stops, comp.max_tokens)
+    keys = [(expr, _plain_key(v)) for expr, v in comp.values.values()]
+    if all(key is not None for _, key in keys):
+        if len(memo) >= MAX_COMPILED:
+            memo.clear()
+        memo[id(c)] = (c, keys, compiled)
+    return compiled
+
+
+def _plain_key(v: Any) -> Any:
+    """A plain value with its types (True and 1, 1 and 1.0 differ), or None for any other value."""
+    if type(v) in _PLAIN:
+        return type(v), v
+    if type(v) in (tuple, frozenset):
+        keys = [_plain_key(x) for x in v]
+        return None if None in keys else (type(v), tuple(keys) if type(v) is tuple else frozenset(keys))
+    return None
