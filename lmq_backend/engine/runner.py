@@ -66,6 +66,9 @@ class ModelRunner:
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
+        # on a GPU: an event that completes with the last step's work (its picks on the host), so that the
+        # scheduler lets the queries' host work run while the device computes; None: the step is done
+        self.ready: torch.cuda.Event | None = None
         compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
 
     def new_store(self, budget_bytes: int) -> KVStore:
@@ -111,6 +114,7 @@ class ModelRunner:
         else:
             logits = logits.float()
             self.picks = self._greedy_picks(logits)
+        self.ready = self._event()  # before a run-ahead step is queued: not waiting for it too
         if run_ahead:
             decoder.run_ahead()  # after the copy of the logits above: it overwrites them
         return logits
@@ -128,6 +132,7 @@ class ModelRunner:
                 logits[i], slots[i] = row_logits, slot
         stacked = torch.stack(logits)
         self.picks = self._greedy_picks(stacked)
+        self.ready = self._event()
         return stacked, slots
 
     def _greedy_picks(self, logits: torch.Tensor):
@@ -136,9 +141,18 @@ class ModelRunner:
         (not one sync a row); on the CPU a mask's at its first use (read them before the logits change)."""
         if not self.greedy_masks:
             return None
-        if logits.device.type != "cpu":
-            table = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks]).tolist()
-            return lambda k, i: table[k][i]
+        if logits.device.type != "cpu":  # one copy to pinned memory, read at the first pick
+            picks = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks])
+            host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True).copy_(picks, non_blocking=True)
+            done, table = torch.cuda.Event(), []
+            done.record()
+
+            def device_pick(k: int, i: int) -> int:
+                if not table:
+                    done.synchronize()
+                    table.extend(host.tolist())
+                return table[k][i]
+            return device_pick
         masks, done = self.greedy_masks, {}
 
         def pick(k: int, i: int) -> int:
@@ -147,6 +161,14 @@ class ModelRunner:
                 column = done[k] = masked_argmax(logits, masks[k]).tolist()
             return column[i]
         return pick
+
+    def _event(self) -> torch.cuda.Event | None:
+        """An event recorded after the work queued so far on the device (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @torch.no_grad()
     def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
@@ -203,7 +225,7 @@ class ModelRunner:
         holds the step's greedy picks on the device, or None. `ahead`: per row, the greedy mask (an index
         into `greedy_masks`) its next token will likely be picked with, or None (see `set_greedy_masks`).
         `want_logits=False`: the caller reads only `picks` where the step made them (then returns None)."""
-        self.picks = None
+        self.picks, self.ready = None, None
         if self.fused and rows.start == 0 and rows.stop == pool.rows <= self.max_batch:
             return self._fused_decode(pool, tokens, ahead, want_logits)
         starts = pool.start[rows]

@@ -103,6 +103,7 @@ class Scheduler:
         self._bound: asyncio.AbstractEventLoop | None = None
         self._joined = 0
         self.preemptions = 0
+        self._stepping = False  # a step is running (it may await the device: see `_device_done`)
 
     # ----- the queries' side ----------------------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class Scheduler:
             return
         row.live = False
         self.decodes.pop(id(row), None)
-        while self.rows and not self.rows[-1].live:
+        while self.rows and not self.rows[-1].live and not self._stepping:  # (in a step: its rows stay put)
             self.rows.pop()
             self.pool.remove_row(self.pool.rows - 1)
         if self._wake is not None:
@@ -196,16 +197,19 @@ class Scheduler:
             await asyncio.sleep(0)
             self._compact()
             ran = False
+            self._stepping = True
             try:
                 # prefills first (rows join the batch as early as they can); a prefill that cannot be
                 # admitted now (no seat, no slots) waits, and the running rows decode meanwhile
-                ran = bool(self.waiting) and self._prefill_step()
+                ran = bool(self.waiting) and await self._prefill_step()
                 if not ran and self.rows and len(self.decodes) == len(self.rows):
-                    self._decode_step()
+                    await self._decode_step()
                     ran = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
                 self._fail_all(e)
                 ran = True
+            finally:
+                self._stepping = False
             if ran and (self.waiting or (self.rows and len(self.decodes) == len(self.rows))):
                 self._wake.set()
 
@@ -255,15 +259,23 @@ class Scheduler:
         # the new part first: a few tokens, where requests sharing a long cached prefix differ
         return k > cached and ids[cached:k] == other[cached:k] and ids[:cached] == other[:cached]
 
-    def _prefill_step(self) -> bool:
+    async def _device_done(self) -> None:
+        """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
+        has done the step just queued (`ModelRunner.ready`; at once on the CPU, where a step is done when it
+        returns). Queries that call `release` meanwhile only mark their rows (`_compact` frees them)."""
+        event = self.runner.ready
+        while event is not None and not event.query():
+            await asyncio.sleep(0)
+
+    async def _prefill_step(self) -> bool:
         """Run the prefills `_select` admits now; False if it admits none."""
         chosen = self._select()
         chosen_set = set(map(id, chosen))
         self.waiting = [w for w in self.waiting if id(w) not in chosen_set and not w.future.done()]
-        self._prefill(chosen)
+        await self._prefill(chosen)
         return bool(chosen)
 
-    def _prefill(self, batch: list[_Waiting]) -> None:
+    async def _prefill(self, batch: list[_Waiting]) -> None:
         if not batch:
             return
         started = time.perf_counter()
@@ -283,9 +295,10 @@ class Scheduler:
                     f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
                 return
             half = len(batch) // 2
-            self._prefill(batch[:half])
-            self._prefill(batch[half:])
+            await self._prefill(batch[:half])
+            await self._prefill(batch[half:])
             return
+        await self._device_done()
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
         picks = self.runner.picks
@@ -296,6 +309,9 @@ class Scheduler:
         for row in rows:  # the runner may give the new rows their slots in another order
             self.rows[row.slot] = row
         for w, row, row_logits in zip(batch, rows, logits):
+            if w.future.done():  # cancelled while the device ran the step: its query has cleaned up (its
+                self.release(row)  # pins are gone), so nothing of it is stored
+                continue
             try:
                 w.request.complete(row_logits, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
@@ -308,7 +324,7 @@ class Scheduler:
             else:
                 w.future.set_result((row_logits, row))
 
-    def _decode_step(self) -> None:
+    async def _decode_step(self) -> None:
         started = time.perf_counter()
         self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
         self._preempt(self.pool.reserve_width(AHEAD))
@@ -321,10 +337,11 @@ class Scheduler:
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
-        if self.on_step is not None:
-            self._report("decode", len(tokens), len(tokens), sum(self.pool.length(row.slot) for row in rows), started)
+        cached = sum(self.pool.length(row.slot) for row in rows) if self.on_step is not None else 0
         self.pool.end += 1
         self.decodes = {}
+        await self._device_done()
+        self._report("decode", len(tokens), len(tokens), cached, started)
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
             row.device_picks = None if picks is None else (picks, i)
             if future.done():  # cancelled
