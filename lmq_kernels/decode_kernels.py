@@ -7,12 +7,12 @@ rows, one KV head and one chunk. Chunks are counted from each row's own first co
 ``G`` query heads of each row that share the KV head are stacked into one block of ``M`` query rows
 (``ROWS * GP``, padded to 16 for ``tl.dot``).
 
-Cascade: for each tile of ``BLOCK_N`` positions the program compares the rows' page-table entries. Where
-every row with tokens in the tile has as many there, starting and ending at the same store slots, the tile
-is a prefix the rows share in the trie (a slot holds one token of one trie path, so a row that reads it
-at the same position reads the same slots before it: `cache/kv_store.py`); its K/V is loaded once and
-scored against the whole block of queries. Otherwise each row's tile is loaded and scored in turn (one
-pass a row). Either way every query row goes through the same operations
+Cascade: the program first compares the rows' page-table entries tile by tile (``BLOCK_N`` positions). The
+leading tiles where every row with tokens has as many there, starting and ending at the same store slots,
+are a prefix the rows share in the trie (a slot holds one token of one trie path, so a row that reads it
+at the same position reads the same slots before it: `cache/kv_store.py`); their K/V is loaded once and
+scored against the whole block of queries. From the first tile that differs on, each row's tiles are
+loaded and scored in turn (one pass a row). Either way every query row goes through the same operations
 on the same tile (its own dot-product row, the same masks, the same online-softmax update), so a row's
 result does not depend on which rows share its program: the same bits batched or alone, for a given
 ``CHUNK`` and ``BLOCK_N``.
@@ -121,11 +121,11 @@ def _stage1_src(
         tab_r = TABLE + b_r.to(tl.int64) * stride_tb
         n_shared = span * 0
         still = span >= 0
+        at_ref = offs_r == ref
         for t in range(0, span, BLOCK_N):
             n_r = tl.minimum(hi_r - lo_r - t, BLOCK_N)
             first_r = tl.load(tab_r + lo_r + t, mask=present & (n_r > 0), other=-1)
             last_r = tl.load(tab_r + lo_r + t + n_r - 1, mask=present & (n_r > 0), other=-1)
-            at_ref = offs_r == ref
             n_ref = tl.sum(tl.where(at_ref, n_r, 0))
             f_ref = tl.sum(tl.where(at_ref, first_r, 0))
             l_ref = tl.sum(tl.where(at_ref, last_r, 0))

@@ -316,13 +316,9 @@ class Scheduler:
                 w.request.complete(row_logits, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
                 self.release(row)
-                if not w.future.done():
-                    w.future.set_exception(e)
+                w.future.set_exception(e)
                 continue
-            if w.future.done():  # cancelled while it ran
-                self.release(row)
-            else:
-                w.future.set_result((row_logits, row))
+            w.future.set_result((row_logits, row))
 
     async def _decode_step(self) -> None:
         started = time.perf_counter()
