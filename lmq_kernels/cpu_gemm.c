@@ -103,9 +103,9 @@ static inline __attribute__((always_inline)) void block(
         }
         _Pragma("GCC unroll 8")
         for (int m = 0; m < M; m++) {
-            const float xv = x[m * ldx + k];    /* broadcast to the vector's lanes */
+            const vf xv = vf_splat(x + m * ldx + k);    /* broadcast to the vector's lanes */
             _Pragma("GCC unroll 8")
-            for (int j = 0; j < V; j++) a[m][j] = fma_vf((vf){0} + xv, wv[j], a[m][j]);
+            for (int j = 0; j < V; j++) a[m][j] = fma_vf(xv, wv[j], a[m][j]);
         }
     }
     _Pragma("GCC unroll 8")

@@ -13,6 +13,12 @@
 #ifndef LMQ_CPU_SIMD_H
 #define LMQ_CPU_SIMD_H
 
+#if defined(__SSE__) || defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 #if defined(__AVX512F__)
 #define LMQ_VL 16
 #define LMQ_VREGS 32
@@ -28,6 +34,24 @@
 #endif
 
 typedef float vf __attribute__((vector_size(4 * LMQ_VL), aligned(4)));
+
+/* *p in every lane: one broadcast load (`(vf){0} + x` is an add the compiler must keep, since 0 + -0 is +0,
+ * and on AVX2 the zero it holds took the register the GEMM's 4 x 3 block needs: an accumulator spilled) */
+static inline vf vf_splat(const float *p) {
+#if defined(__AVX512F__) && LMQ_VL == 16
+    return (vf)_mm512_set1_ps(*p);
+#elif defined(__AVX__) && LMQ_VL == 8
+    return (vf)_mm256_broadcast_ss(p);
+#elif defined(__aarch64__) && LMQ_VL == 4
+    return (vf)vld1q_dup_f32(p);
+#elif defined(__SSE__) && LMQ_VL == 4
+    return (vf)_mm_load1_ps(p);
+#else
+    vf v;
+    for (int i = 0; i < LMQ_VL; i++) v[i] = *p;
+    return v;
+#endif
+}
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int i16 __attribute__((vector_size(64)));
