@@ -163,7 +163,7 @@ void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const fl
     if (t >= nt) return;
     for (long b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
         long n = b * NB;
-        if (N - n >= NB) { ROWS_I8(NB) } else if (N - n == 3) { ROWS_I8(3) }
+        if (N - n >= NB) { ROWS_I8(NB) } else if (NB > 3 && N - n == 3) { ROWS_I8(3) }
         else if (N - n == 2) { ROWS_I8(2) } else { ROWS_I8(1) }
     }
 }
@@ -175,7 +175,7 @@ void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const 
     if (t >= nt) return;
     for (long b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
         long n = b * NB;
-        if (N - n >= NB) { ROWS_I4(NB) } else if (N - n == 3) { ROWS_I4(3) }
+        if (N - n >= NB) { ROWS_I4(NB) } else if (NB > 3 && N - n == 3) { ROWS_I4(3) }
         else if (N - n == 2) { ROWS_I4(2) } else { ROWS_I4(1) }
     }
 }
