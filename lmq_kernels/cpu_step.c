@@ -81,12 +81,13 @@ static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, lo
  * RoPE's angles per row; pos int32 [B] (positions: a negative one writes no K/V); the new token's K/V go to
  * column `end` of each row's page table (table int32, row stride stb); row b attends to columns
  * [start[b], end] (start clamped to first <= start: the columns before `first` are not read). Scratch
- * (contiguous rows): qkv [B, (Hq + 2 Hkv) D], q and attn [B, Hq, D], gu [B, 2 inter], act [B, inter]. */
+ * (contiguous rows): qkv [B, (Hq + 2 Hkv) D], q and attn [B, Hq, D], act [B, inter]; gu [B, 2 inter] with row stride
+ * ldgu (padded where 2 inter floats are a multiple of 2 KB: rows 4 KB apart share their L1 sets). */
 void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B, int hidden,
                        int Hq, int Hkv, int D, int inter,
                        const float *cos_, const float *sin_, const int *pos,
                        const int *table, long stb, const int *start, long first, long end,
-                       float *qkv, float *q, float *attn, float *gu, float *act, int threads) {
+                       float *qkv, float *q, float *attn, float *gu, long ldgu, float *act, int threads) {
     const long S = end + 1 - first, nqkv = (long)(Hq + 2 * Hkv) * D, nq = (long)Hq * D;
     int *rel = malloc(sizeof(int) * B);                    /* each row's first column, from `first` on */
     for (int b = 0; b < B; b++) rel[b] = start[b] - first < 0 ? 0 : (int)(start[b] - first);
@@ -116,9 +117,9 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
             mm_share(&ly->o, attn, nq, x, ldx, B, 1, t, nt);
             #pragma omp barrier
             lmq_rmsnorm(x, ldx, ly->post_norm, h, hidden, B, hidden, ly->eps);
-            mm_share(&ly->gu, h, hidden, gu, 2L * inter, B, 0, t, nt);
+            mm_share(&ly->gu, h, hidden, gu, ldgu, B, 0, t, nt);
             #pragma omp barrier
-            lmq_silu_mul_share(gu, 2L * inter, act, inter, B, inter, t, nt);
+            lmq_silu_mul_share(gu, ldgu, act, inter, B, inter, t, nt);
             #pragma omp barrier
             mm_share(&ly->down, act, inter, x, ldx, B, 1, t, nt);
             #pragma omp barrier

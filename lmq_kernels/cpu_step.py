@@ -88,6 +88,12 @@ def _f32(*tensors: torch.Tensor | None) -> bool:
                for t in tensors)
 
 
+def _rows(t: torch.Tensor) -> bool:
+    """float32 on the CPU with unit column stride and rows that do not overlap."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1 \
+        and t.stride(0) >= t.shape[1]
+
+
 class LayerPlan:
     """The layers as C structs (pointers into the tensors, which the plan keeps alive). `ok`: whether every
     operand is in a layout cpu_step.c takes (if not, `decode_layers` declines)."""
@@ -127,7 +133,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     f = lib.lmq_decode_layers
     if f.argtypes is None:
         f.argtypes = [_p, _i, _p, _l, _i, _i, _i, _i, _i, _i, _p, _p, _p, _p, _l, _p, _l, _l,
-                      _p, _p, _p, _p, _p, _i]
+                      _p, _p, _p, _p, _l, _p, _i]
         f.restype = None
 
 
@@ -138,7 +144,8 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, hq: int, cos: torch.Tensor, 
     """Every layer of `plan` for the B rows of x [B, hidden] (updated in place), one new token a row: its
     K/V go to column `end` of the rows' page tables (`table` int32 [>= B, S], unit column stride), row b
     attends to columns [max(start[b], first), end]; cos, sin [B, D/2] (RoPE per row), positions int32 [B];
-    qkv, q, attn, gu, act: contiguous float32 scratch of the step's shapes. Not calibrated (the caller
+    qkv, q, attn, act: contiguous float32 scratch of the step's shapes, gu too but for its row stride (>= its
+    width). Not calibrated (the caller
     chooses). False (nothing computed) if the library or the operands do not allow it."""
     lib = cpu._load()
     if lib is None or not plan.ok:
@@ -146,7 +153,7 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, hq: int, cos: torch.Tensor, 
     b, hidden = x.shape
     d = plan.D
     if (not 1 <= b <= MAX_ROWS or hidden != plan.hidden or hq % plan.Hkv or x.stride(1) != 1
-            or not _f32(cos, sin, qkv, q, attn, gu, act) or x.dtype != torch.float32
+            or not _f32(cos, sin, qkv, q, attn, act) or not _rows(gu) or x.dtype != torch.float32
             or cos.shape != (b, d // 2) or sin.shape != cos.shape
             or qkv.shape != (b, (hq + 2 * plan.Hkv) * d) or q.shape != (b, hq, d) or attn.shape != q.shape
             or gu.shape != (b, 2 * plan.inter) or act.shape != (b, plan.inter)
@@ -159,6 +166,6 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, hq: int, cos: torch.Tensor, 
     lib.lmq_decode_layers(plan.array, len(plan.layers), x.data_ptr(), x.stride(0), b, hidden, hq, plan.Hkv, d,
                           plan.inter, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), table.data_ptr(),
                           table.stride(0), start.data_ptr(), int(first), int(end), qkv.data_ptr(), q.data_ptr(),
-                          attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
+                          attn.data_ptr(), gu.data_ptr(), gu.stride(0), act.data_ptr(),
                           threads if threads is not None else torch.get_num_threads())
     return True

@@ -77,6 +77,8 @@ async def test_a_backend_through_the_entry_is_the_backend_from_the_folder(tiny_f
     for backend in (first, second):
         w = backend.model.model.layers[0].mlp.down_proj.weight
         assert w.stride() == (1, w.shape[0])  # K-major: the CPU layout's
+        head = decoder_weights(backend.model).lm_head   # [49152, 64]: rows 192 KB apart, padded off 4 KB multiples
+        assert head.stride() == (1, head.shape[0] + 16) and head.shape == (49152, 64)
     a = await lmq.compile(QUERY, model=first)()
     b = await lmq.compile(QUERY, model=second)()
     assert a["X"] == b["X"] and a.prompt == b.prompt

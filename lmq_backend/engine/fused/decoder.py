@@ -51,6 +51,7 @@ from ..attention import grouped_attention
 from .cpu_step import run_layers
 from .graphs import DevicePicks, GraphSteps, bucket_for
 from .prefill import Prefill
+from .weights import padded_stride
 
 __all__ = ["FusedDecoder"]
 
@@ -84,14 +85,17 @@ class FusedDecoder(GraphSteps, Prefill):
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * self.H_kv) * self.D
         mk = lambda *shape: torch.zeros(*shape, dtype=self.dtype, device=dev)  # noqa: E731
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        # on the CPU, the GEMM outputs' rows are padded off multiples of 4 KB apart (see `padded_stride`)
+        wide = (lambda rows, cols: mk(rows, padded_stride(cols, item))[:, :cols]) if not self.cuda else mk
         self.x = mk(n, self.hidden)           # residual stream
         self.h = mk(n, self.hidden)           # normed
         self.qkv = mk(n, qkv_n)
         self.q = mk(n, self.Hq, self.D)
         self.attn = mk(n, self.Hq, self.D)
-        self.gu = mk(n, 2 * self.inter)
+        self.gu = wide(n, 2 * self.inter)
         self.act = mk(n, self.inter)
-        self.logits = mk(n, self.vocab)
+        self.logits = wide(n, self.vocab)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}   # (bucket, cascade)
         self.cascade = True          # attention may read tiles rows share once for a block of rows
         self._graph_pool = None

@@ -8,7 +8,7 @@ quiet host, 2-2.5 s when another process holds the cores: every copy is a parall
 thread waits for a core). `laid_out(model, folder)` takes the buffers from `<cache_dir>/weights/<entry>`
 (`prepared`, see `decoder_weights`) and writes the entry when it is missing or stale. An entry changes no
 value: the layout's buffers hold copies of the folder's weights. Its file: a JSON header (key, folder, each
-buffer's dtype, shape and offset), then each buffer at a page-aligned offset, mapped as it is.
+buffer's dtype, shape, offset and row stride), then each buffer at a page-aligned offset, mapped as it is.
 
 One entry per folder and dtype. Its key: every file of the folder (name, size, mtime, ctime, inode: a
 rewritten or replaced file changes it, an `os.utime` back to the old mtime too), the dtype, the source of
@@ -74,13 +74,13 @@ def _read(path: Path, key: str) -> dict[str, torch.Tensor] | None:
         storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
         start = _aligned(16 + int.from_bytes(head[8:], "little"))
         out = {}
-        for name, (dtype_name, shape, offset) in header["tensors"].items():
+        for name, (dtype_name, shape, offset, ld) in header["tensors"].items():
             dtype = getattr(torch, dtype_name)
             item = torch.empty(0, dtype=dtype).element_size()
             k, n = shape
-            if start + offset + k * n * item > size or offset % ALIGN:
+            if start + offset + k * ld * item > size or offset % ALIGN or ld < n:
                 return None
-            t = torch.empty(0, dtype=dtype).set_(storage, (start + offset) // item, (k, n), (n, 1))
+            t = torch.empty(0, dtype=dtype).set_(storage, (start + offset) // item, (k, n), (ld, 1))
             out[name] = t.t()
         return out
     except Exception:  # noqa: BLE001 - an unreadable entry is written again
@@ -95,11 +95,13 @@ def _write(path: Path, key: str, buffers: dict[str, torch.Tensor], folder: Path)
     """[K, N] row-major (each K-major buffer's transpose), each at a page-aligned offset: the kernels read
     the mapped weights as aligned as freshly allocated ones (safetensors' 8-byte alignment made lmq's
     small-M GEMM ~14% slower)."""
-    tensors = {name: t.t() for name, t in buffers.items()}
+    tensors = {}
     offsets, offset = {}, 0
-    for name, t in tensors.items():
-        offsets[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), offset]
-        offset = _aligned(offset + t.numel() * t.element_size())
+    for name, b in buffers.items():
+        k, n, ld = b.shape[1], b.shape[0], b.stride(1)   # its rows as laid out, padding included
+        tensors[name] = b.t().as_strided((k, ld), (ld, 1))
+        offsets[name] = [str(b.dtype).removeprefix("torch."), [k, n], offset, ld]
+        offset = _aligned(offset + tensors[name].numel() * b.element_size())
     header = json.dumps({"key": key, "folder": str(folder.resolve()), "holds": HOLDS, "tensors": offsets}).encode()
     start = _aligned(16 + len(header))
     tmp = path.with_name(f"{path.stem}.partial-{os.getpid()}")
