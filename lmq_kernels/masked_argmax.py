@@ -6,9 +6,12 @@ largest ``logits[b, v]`` with ``masks[k, v]``, the first such index on ties, 0 w
 materialising the ``[K, B, V]`` copy. The fused GPU step picks this way under its greedy masks (an H200,
 256 rows x 128,256 tokens, two masks: the torch form wrote and re-read 130 MB a step, ~265 us).
 
-Kernel: one program a row walks V in tiles of ``BLOCK`` with every mask at once (``K_PAD`` rows of a tile),
-keeping per mask the best value and its index; a tile's maximum replaces the running one only when strictly
-greater, so the first index wins ties, as ``torch.argmax``. Logits hold no NaN (a model's logits).
+Kernel: a program per row and split of V (as many splits as keep ~2 programs per SM busy: one program
+walking a 128,256-token row alone took ~150 us on an H200, 13% of a one-row Llama-3.2-1B step) walks its
+columns in tiles of ``BLOCK`` with every mask at once (``K_PAD`` rows of a tile), keeping per mask the best
+value and its index; a tile's maximum replaces the running one only when strictly greater, so the first
+index wins ties, as ``torch.argmax``. A second kernel takes per row the first split with the largest value.
+Logits hold no NaN (a model's logits).
 
 On CPU tensors the kernel runs through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
 ``triton`` was imported (tests); otherwise the torch form runs.
@@ -27,18 +30,23 @@ BLOCK = 1024
 
 
 @triton.jit
-def _masked_argmax_kernel(LOGITS, stride_lb, MASKS, stride_mk, OUT, stride_ok, V, K,
-                          K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _masked_argmax_kernel(LOGITS, stride_lb, MASKS, stride_mk, OUT, stride_ok, PART_V, PART_I, V, K, CHUNK,
+                          SPLITS, K_PAD: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
+    """Program (b, s): row b's columns [s CHUNK, (s + 1) CHUNK) under every mask; its best value and index per
+    mask go to PART_V / PART_I [K, B, SPLITS] (DIRECT, one split: the index straight to OUT)."""
     b = tl.program_id(0)
+    s = tl.program_id(1)
     offs_k = tl.arange(0, K_PAD)
     offs_v = tl.arange(0, BLOCK)
     has_k = offs_k < K
     best = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
     best_i = tl.zeros([K_PAD], dtype=tl.int64)
     row = LOGITS + b.to(tl.int64) * stride_lb
-    for v0 in range(0, V, BLOCK):
+    lo = s * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for v0 in range(lo, hi, BLOCK):
         v = v0 + offs_v
-        in_v = v < V
+        in_v = v < hi
         x = tl.load(row + v, mask=in_v, other=float("-inf")).to(tl.float32)
         m = tl.load(MASKS + offs_k[:, None] * stride_mk + v[None, :], mask=has_k[:, None] & in_v[None, :], other=0)
         xk = tl.where(m != 0, x[None, :], float("-inf"))          # [K_PAD, BLOCK]
@@ -47,7 +55,31 @@ def _masked_argmax_kernel(LOGITS, stride_lb, MASKS, stride_mk, OUT, stride_ok, V
         better = tile_best > best
         best = tl.where(better, tile_best, best)
         best_i = tl.where(better, tile_i, best_i)
-    tl.store(OUT + offs_k.to(tl.int64) * stride_ok + b, best_i, mask=has_k)
+    if DIRECT:
+        tl.store(OUT + offs_k.to(tl.int64) * stride_ok + b, best_i, mask=has_k)
+    else:
+        B = tl.num_programs(0)
+        at = (offs_k.to(tl.int64) * B + b) * SPLITS + s
+        tl.store(PART_V + at, best, mask=has_k)
+        tl.store(PART_I + at, best_i, mask=has_k)
+
+
+@triton.jit
+def _combine_kernel(PART_V, PART_I, OUT, stride_ok, K, SPLITS, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Row b: per mask, the index of the first split with the largest best value (the splits run in column
+    order, so that is the first index overall)."""
+    b = tl.program_id(0)
+    B = tl.num_programs(0)
+    offs_k = tl.arange(0, K_PAD)
+    offs_s = tl.arange(0, S_PAD)
+    ok = (offs_k[:, None] < K) & (offs_s[None, :] < SPLITS)
+    at = (offs_k[:, None].to(tl.int64) * B + b) * SPLITS + offs_s[None, :]
+    val = tl.load(PART_V + at, mask=ok, other=float("-inf"))
+    idx = tl.load(PART_I + at, mask=ok, other=0)
+    top = tl.max(val, axis=1)
+    win = tl.min(tl.where(val == top[:, None], offs_s[None, :], S_PAD), axis=1)   # the first split holding it
+    pick = tl.sum(tl.where(offs_s[None, :] == win[:, None], idx, 0), axis=1)
+    tl.store(OUT + offs_k.to(tl.int64) * stride_ok + b, pick, mask=offs_k < K)
 
 
 def masked_argmax_k_reference(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -68,6 +100,31 @@ def masked_argmax_k(logits: torch.Tensor, masks: torch.Tensor, out: torch.Tensor
         return out
     masks = masks.contiguous()
     assert out.shape == (K, B) and out.stride(-1) == 1
-    _masked_argmax_kernel[(B,)](logits, logits.stride(0), masks.view(torch.int8), masks.stride(0), out, out.stride(0), V, K,
-                                K_PAD=triton.next_power_of_2(max(K, 1)), BLOCK=BLOCK)
+    tiles = triton.cdiv(V, BLOCK)
+    splits = min(tiles, max(1, triton.cdiv(2 * _processors(logits.device), B)))
+    chunk = triton.cdiv(tiles, splits) * BLOCK
+    splits = triton.cdiv(V, chunk)
+    k_pad = triton.next_power_of_2(max(K, 1))
+    direct = splits == 1
+    part_v = out if direct else torch.empty(K, B, splits, dtype=torch.float32, device=logits.device)
+    part_i = out if direct else torch.empty(K, B, splits, dtype=torch.int64, device=logits.device)
+    _masked_argmax_kernel[(B, splits)](logits, logits.stride(0), masks.view(torch.int8), masks.stride(0), out,
+                                       out.stride(0), part_v, part_i, V, K, chunk, splits, K_PAD=k_pad,
+                                       BLOCK=BLOCK, DIRECT=direct)
+    if not direct:
+        _combine_kernel[(B,)](part_v, part_i, out, out.stride(0), K, splits, K_PAD=k_pad,
+                              S_PAD=triton.next_power_of_2(splits))
     return out
+
+
+_PROCESSORS: dict = {}
+
+
+def _processors(device: torch.device) -> int:
+    """The device's SMs (Triton's interpreter: 8, so that the tests split the vocabulary too)."""
+    if device.type != "cuda":
+        return 8
+    n = _PROCESSORS.get(device.index)
+    if n is None:
+        n = _PROCESSORS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n

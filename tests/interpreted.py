@@ -1,19 +1,20 @@
 """What a Triton kernel's test file imports first: the kernels run under Triton's interpreter on the CPU and
 compiled on a GPU.
 
-Importing this module sets ``TRITON_INTERPRET=1`` (unless set) before triton is imported, and skips the test
+Importing this module sets ``TRITON_INTERPRET=1`` (unless set, or a GPU is there: there the compiled kernels
+are what is tested, whichever test file is collected first) before triton is imported, and skips the test
 file where triton is missing. Where another module imported triton first (a whole-suite run), the interpreter
 is off in this process: `needs_interp` tests skip and `rerun_interpreted(path)` runs the file again in a
 fresh interpreter. `needs_cuda` tests compile the kernels (a GPU, ``TRITON_INTERPRET=0``)."""
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import triton  # noqa: F401, E402

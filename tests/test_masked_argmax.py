@@ -14,8 +14,8 @@ from lmq_kernels.masked_argmax import BLOCK, masked_argmax_k
 
 
 def _case(B, V, K, seed, dtype=torch.float32, device="cpu"):
-    """Logits with many exact ties (small integers), including a tie between two tiles; masks: everything,
-    nothing, random, and one that allows only tokens past the first tile."""
+    """Logits with many exact ties (small integers), including a tie between two tiles (two splits of V where
+    rows are few); masks: everything, nothing, random, and one that allows only tokens past the first tile."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-4, 5, (B, V), generator=gen).to(dtype)
     logits[0, 3] = 9
@@ -34,7 +34,8 @@ def _expected(logits, masks):
     return torch.stack([masked_argmax(logits.cpu(), m.cpu()) for m in masks])
 
 
-CASES = [(1, 7, 1, 0), (3, BLOCK + 17, 3, 1), (5, 3 * BLOCK, 4, 2), (2, 2 * BLOCK + 1, 2, 3)]
+CASES = [(1, 7, 1, 0), (3, BLOCK + 17, 3, 1), (5, 3 * BLOCK, 4, 2), (2, 2 * BLOCK + 1, 2, 3),
+         (1, 5 * BLOCK + 3, 3, 6)]   # one row: a split of V per tile, the maximum tied across splits
 
 
 @needs_interp
