@@ -88,12 +88,6 @@ def _f32(*tensors: torch.Tensor | None) -> bool:
                for t in tensors)
 
 
-def _rows(t: torch.Tensor) -> bool:
-    """float32 on the CPU with unit column stride and rows that do not overlap."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1 \
-        and t.stride(0) >= t.shape[1]
-
-
 class LayerPlan:
     """The layers as C structs (pointers into the tensors, which the plan keeps alive). `ok`: whether every
     operand is in a layout cpu_step.c takes (if not, `decode_layers` declines)."""
@@ -145,18 +139,18 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, hq: int, cos: torch.Tensor, 
     K/V go to column `end` of the rows' page tables (`table` int32 [>= B, S], unit column stride), row b
     attends to columns [max(start[b], first), end]; cos, sin [B, D/2] (RoPE per row), positions int32 [B];
     qkv, q, attn, act: contiguous float32 scratch of the step's shapes, gu too but for its row stride (>= its
-    width). Not calibrated (the caller
-    chooses). False (nothing computed) if the library or the operands do not allow it."""
+    width). Not calibrated (the caller chooses). False (nothing computed) if the library or the operands do not
+    allow it."""
     lib = cpu._load()
     if lib is None or not plan.ok:
         return False
     b, hidden = x.shape
     d = plan.D
     if (not 1 <= b <= MAX_ROWS or hidden != plan.hidden or hq % plan.Hkv or x.stride(1) != 1
-            or not _f32(cos, sin, qkv, q, attn, act) or not _rows(gu) or x.dtype != torch.float32
+            or not _f32(cos, sin, qkv, q, attn, act) or not cpu._rows_ok(gu) or x.dtype != torch.float32
             or cos.shape != (b, d // 2) or sin.shape != cos.shape
             or qkv.shape != (b, (hq + 2 * plan.Hkv) * d) or q.shape != (b, hq, d) or attn.shape != q.shape
-            or gu.shape != (b, 2 * plan.inter) or act.shape != (b, plan.inter)
+            or gu.shape != (b, 2 * plan.inter) or gu.stride(0) < gu.shape[1] or act.shape != (b, plan.inter)
             or positions.dtype != torch.int32 or not positions.is_contiguous() or positions.numel() < b
             or start.dtype != torch.int32 or not start.is_contiguous() or start.numel() < b
             or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < b or table.stride(1) != 1

@@ -85,9 +85,9 @@ class FusedDecoder(GraphSteps, Prefill):
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * self.H_kv) * self.D
         mk = lambda *shape: torch.zeros(*shape, dtype=self.dtype, device=dev)  # noqa: E731
-        item = torch.empty(0, dtype=self.dtype).element_size()
         # on the CPU, the GEMM outputs' rows are padded off multiples of 4 KB apart (see `padded_stride`)
-        wide = (lambda rows, cols: mk(rows, padded_stride(cols, item))[:, :cols]) if not self.cuda else mk
+        wide = (lambda rows, cols: mk(rows, padded_stride(cols, self.dtype.itemsize))[:, :cols]) if not self.cuda \
+            else mk
         self.x = mk(n, self.hidden)           # residual stream
         self.h = mk(n, self.hidden)           # normed
         self.qkv = mk(n, qkv_n)
