@@ -102,6 +102,39 @@ def attention(lmq, b: int, hq: int, hkv: int, d: int, s: int):
     return lmq_side, torch_side
 
 
+def prefill_attention(lmq, b: int, t: int, hq: int, hkv: int, d: int, s: int):
+    """t new tokens a row after s - t columns every row shares (the engine's common prefill: few-shot calls,
+    chats, after a trie hit): lmq(q, k, v, table, start, new, end, out, scale) vs the engine's torch form
+    (gather the rows' columns, then torch's fused attention with the causal mask aligned to the last column)."""
+    t = min(t, s)
+    prefix = s - t
+    store = _ring((2, prefix + b * t + 1, hkv, d))
+    shared = torch.arange(1, prefix + 1, dtype=torch.int32).expand(b, prefix)
+    own = (torch.arange(b * t, dtype=torch.int32) + prefix + 1).view(b, t)
+    table = torch.cat([shared, own], 1).contiguous()
+    start, new = torch.zeros(b, dtype=torch.int32), torch.full((b,), t, dtype=torch.int32)
+    q = torch.randn(b, t, hq, d)
+    out = torch.empty_like(q)
+    cols = table.view(-1)
+    allowed = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]                # [t, s]
+    nxt = _Next(store.shape[0])
+    scale = d ** -0.5
+
+    def lmq_side():
+        kv = store[nxt()]
+        lmq(q, kv[0], kv[1], table, start, new, s, out, scale)
+
+    def torch_side():
+        kv = store[nxt()]
+        k = kv[0].index_select(0, cols).view(b, s, hkv, d).transpose(1, 2)               # [b, hkv, s, d]
+        v = kv[1].index_select(0, cols).view(b, s, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed, scale=scale,
+                                           enable_gqa=hq != hkv)
+        out.copy_(o.transpose(1, 2))
+
+    return lmq_side, torch_side
+
+
 def rope_append(lmq, n: int, hq: int, hkv: int, d: int, norms: bool):
     """RoPE of n one-token rows' q and k (with q/k RMSNorms when `norms`) and the K/V append through the
     page tables: lmq(...) vs the engine's torch form (norms, rotate-half by roll, scatter into the store)."""

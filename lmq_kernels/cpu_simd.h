@@ -53,6 +53,22 @@ static inline vf vf_splat(const float *p) {
 #endif
 }
 
+/* a * b + c with one rounding where the target has FMA (else a multiply and an add, never contracted there).
+ * Written out, not left to -ffp-contract: GCC left one instance of `block` (1 row x 1 vector: the tail
+ * columns of a width that is not a whole number of register blocks) uncontracted on AVX2, so such a column
+ * of a row alone got other bits than in a batch. Used wherever a result must not depend on the blocking. */
+static inline vf fma_vf(vf a, vf b, vf c) {
+#if defined(__AVX512F__) && LMQ_VL == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && LMQ_VL == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__) && LMQ_VL == 4
+    return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else
+    return a * b + c;
+#endif
+}
+
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int i16 __attribute__((vector_size(64)));
 

@@ -258,7 +258,7 @@ def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch)
 
     net = tiny_llama(seed=5) if model == "tiny_llama" else head_dim_64_llama()
     ran: dict[str, int] = {}
-    for op in ("small_m_mm", "attention", "rmsnorm", "silu_mul", "rope_append"):
+    for op in ("small_m_mm", "attention", "prefill_attention", "rmsnorm", "silu_mul", "rope_append"):
         real = getattr(cpu, op)
 
         def counted(*args, _real=real, _op=op, **kwargs):
@@ -281,7 +281,7 @@ def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch)
         if setting == "1":
             assert ran.get("small_m_mm") and ran.get("rmsnorm") and ran.get("rope_append"), ran
             if model == "head_dim_64":
-                assert ran.get("attention"), ran
+                assert ran.get("attention") and ran.get("prefill_attention"), ran
         else:
             assert not any(ran.values()), ran
     assert results["1"] == results["0"]

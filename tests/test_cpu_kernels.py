@@ -88,7 +88,7 @@ def k_major(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 960), (5, 100, 70), (8, 1536, 576), (8, 7, 33),
-                                   (11, 96, 128), (17, 40, 1000)])
+                                   (11, 96, 128), (17, 40, 1000), (50, 576, 200)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matches_float64_reference(m, k, n, accumulate, kernels):
     w = k_major(n, k, seed=m + k + n)
@@ -142,7 +142,7 @@ def test_a_row_gives_the_same_bits_in_any_batch(kernels):
 def test_declines_what_it_does_not_compute(kernels):
     w = k_major(64, 32, seed=3)
     out = torch.zeros(4, 64)
-    assert not cpu.small_m_mm(torch.randn(17, 32), w.t(), torch.zeros(17, 64))  # > 16 rows: BLAS
+    assert not cpu.small_m_mm(torch.randn(65, 32), w.t(), torch.zeros(65, 64))  # > 64 rows: BLAS
     assert not cpu.small_m_mm(torch.randn(1, 32), w.t(), out[:1], rows=(2, 8))  # outside the rows asked for
     assert not cpu.small_m_mm(torch.randn(4, 32).double(), w.t().double(), out.double())
     assert not cpu.small_m_mm(torch.randn(4, 32), w.contiguous().t(), out)   # row-major weight

@@ -52,9 +52,10 @@ def inject_fault(monkeypatch, backend, fault: str, at: int = 0) -> list[int]:
       (K/V in the paged store `backend.trie.store.data`, `[L, 2, slots, H_kv, D]`, K after RoPE): on each
       trie hit the K of the prefix's middle token, layer 0, every kv head, gets noise of its own scale
       added in the store (once per slot). Fires on every cache hit.
-    - "prefill_position": `backend.runner._forward(ids, mask, positions, cache, ...)`, the model's forward
-      of prefills (and of unfused decode steps): in the `at`-th forward with more than one new token a row,
-      the last token of the first row gets position + 1 (its RoPE or learned position, and the K it stores).
+    - "prefill_position": in the `at`-th prefill with more than one new token a row, the last token of the
+      first row gets position + 1 (its RoPE or learned position, and the K it stores): through the model's
+      forward `backend.runner._forward(ids, mask, positions, cache, ...)` (GPT-2; unfused decode steps go
+      there too), or through `FusedDecoder._set_rope(positions)` in the fused prefill (Llama on the CPU).
     - "decode_position": the `at`-th decode step, first row, position + 1: in the fused CPU step through
       `FusedDecoder._set_rope(positions)` (RoPE's cos/sin of the step's tokens), in an unfused step (GPT-2,
       `runner.fused = False`) through `runner._forward` with one token a row.
@@ -96,12 +97,27 @@ def inject_fault(monkeypatch, backend, fault: str, at: int = 0) -> list[int]:
         return forward(ids, mask, shift(kind, positions, -1), cache, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_forward", shifted_forward)
-    if fault == "decode_position" and runner.fused:
+    if runner.fused:
         from lmq_backend.engine.fused import FusedDecoder
 
-        set_rope = FusedDecoder._set_rope
-        monkeypatch.setattr(FusedDecoder, "_set_rope",
-                            lambda self, positions: set_rope(self, shift("decode", positions[None], 0)[0]))
+        set_rope, prefill = FusedDecoder._set_rope, FusedDecoder.prefill
+        width: list[int] = []   # the new tokens a row of the fused prefill under way (none: a decode step)
+
+        def tracked_prefill(self, rows, *args, **kwargs):
+            width.append(max(len(ids) for ids, _ in rows))
+            try:
+                return prefill(self, rows, *args, **kwargs)
+            finally:
+                width.pop()
+
+        def shifted_rope(self, positions):
+            t = width[-1] if width else 1
+            if t == 1:
+                return set_rope(self, shift("decode", positions[None], 0)[0])
+            return set_rope(self, shift("prefill", positions.view(-1, t), -1).reshape(-1))
+
+        monkeypatch.setattr(FusedDecoder, "prefill", tracked_prefill)
+        monkeypatch.setattr(FusedDecoder, "_set_rope", shifted_rope)
     return fired
 
 

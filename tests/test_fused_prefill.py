@@ -113,7 +113,7 @@ SRC = '''
 
 
 async def test_engine_same_results_with_the_fused_prefill(tokenizer):
-    """The engine's prefills through the fused layer loop (the GPU's default) give the same query results as
+    """The engine's prefills through the fused layer loop (the default) give the same query results as
     through the model's forward, batched and alone, with trie hits (the queries share their start)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -122,9 +122,9 @@ async def test_engine_same_results_with_the_fused_prefill(tokenizer):
                          intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
     model = LlamaForCausalLM(config).eval()
     fused = lmq.HFBackend.from_model(model, tokenizer, name="fused-prefill")
-    fused.runner.fused_prefill = True
+    assert fused.runner.fused_prefill  # the default, on the CPU too
     plain = lmq.HFBackend.from_model(model, tokenizer, name="model-prefill")
-    assert plain.runner.fused and not plain.runner.fused_prefill  # the CPU's default
+    plain.runner.fused_prefill = False
 
     async def run_all(backend, n):
         q = lmq.Query(SRC, model=backend)

@@ -18,6 +18,7 @@ import itertools
 import numpy as np
 import torch
 
+from lmq_kernels import cpu
 from lmq_kernels.prefill_attention import prefill_attention
 from lmq_kernels.prefill_attention import programs as paged_programs
 
@@ -71,9 +72,13 @@ class Prefill(LayerOps):
         ids_d, pos_d, starts_d = inputs[:N], inputs[N:2 * N], inputs[2 * N:2 * N + B]
         end_d, nrows_d = inputs[2 * N + B:2 * N + B + 1], inputs[2 * N + B + 1:]
         hq, d = self.Hq, self.D
-        paged = self.triton and self.paged_attention and \
-            (not self.cuda or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= _multiprocessors(dev))
-        attend = (self._paged_attention if paged else self._gathered_attention)(B, T, starts, starts_d, slot, end)
+        if not self.triton:
+            attend = self._cpu_attention(B, T, starts, starts_d, slot, end, torch.from_numpy(m.astype(np.int32)))
+        elif self.paged_attention and (not self.cuda or paged_programs(B, T, hq, self.H_kv, d, self.dtype)
+                                       >= _multiprocessors(dev)):
+            attend = self._paged_attention(B, T, starts, starts_d, slot, end)
+        else:
+            attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
         x = self.embed.index_select(0, ids_d)                                   # [N, hidden] residual stream
         h = torch.empty_like(x)
         qkv = x.new_empty(N, (hq + 2 * self.H_kv) * d)
@@ -108,6 +113,22 @@ class Prefill(LayerOps):
             nonlocal out
             out = prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, end, scaling, out=out)
             return out
+        return attend
+
+    def _cpu_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int,
+                       new: torch.Tensor):
+        """On the CPU: lmq's kernel through the page tables (`lmq_kernels.cpu.prefill_attention`: no K/V
+        copied, the padding skipped) where calibration chose it for this shape, else the gather."""
+        table, out, gathered = self.table[slot:slot + B], None, None
+
+        def attend(l: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+            nonlocal out, gathered
+            if gathered is None:
+                out = torch.empty_like(q) if out is None else out
+                if cpu.prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, new, end, out, scaling):
+                    return out
+                gathered = self._gathered_attention(B, T, starts, starts_d, slot, end)
+            return gathered(l, q, scaling)
         return attend
 
     def _gathered_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
