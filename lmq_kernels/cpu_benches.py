@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .cpu_layout import padded_stride
+
 
 def _llc_bytes() -> int:
     """The largest CPU cache's size (/sys), 32 MiB when unknown."""
@@ -52,8 +54,9 @@ class _Next:
 
 
 def gemm(lmq, m: int, k: int, n: int):
-    """out = x @ w_t, x [m, k], w_t [k, n] K-major: lmq(x, w_t, out) vs torch.mm."""
-    ring, x, out = _ring((k, n)), torch.randn(m, k), torch.empty(m, n)
+    """out = x @ w_t, x [m, k], w_t [k, n] K-major with the engine's row stride: lmq(x, w_t, out) vs torch.mm."""
+    ring = _ring((k, padded_stride(n, 4)))[..., :n]      # the engine's layout (see cpu_layout.py)
+    x, out = torch.randn(m, k), torch.empty(m, n)
     nxt = _Next(ring.shape[0])
     return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))
 

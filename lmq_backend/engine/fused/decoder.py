@@ -46,12 +46,12 @@ from __future__ import annotations
 import torch
 
 from lmq_kernels import cpu, decode_attention
+from lmq_kernels.cpu_layout import padded_stride
 
 from ..attention import grouped_attention
 from .cpu_step import run_layers
 from .graphs import DevicePicks, GraphSteps, bucket_for
 from .prefill import Prefill
-from .weights import padded_stride
 
 __all__ = ["FusedDecoder"]
 

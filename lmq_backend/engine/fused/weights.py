@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from lmq_kernels.cpu_layout import padded_stride
+
 from ..quantize import QuantizedLinear
 
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -72,15 +74,6 @@ def supports(model, *, require_cuda: bool = True) -> bool:
     """True for Llama / Mistral (no sliding window) / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) causal LMs with
     default, llama3 or linear RoPE and SiLU MLPs, on CUDA (`require_cuda=False`: on any device, eager)."""
     return _why_not(model, require_cuda) is None
-
-
-def padded_stride(n: int, element_size: int) -> int:
-    """The row stride (elements) of a CPU GEMM operand with n columns (K-major weights [K, n], outputs [M, n]):
-    n, or n + 64 bytes where n's row is a multiple of 2 KB. Rows a multiple of 4 KB apart share their L1 sets
-    (at 64 KB, their L2 sets): the small-M GEMM's chunk of weight rows evicted itself between its passes
-    (SmolLM2's lm_head [576, 49152] at 8 rows 14.8 -> 5.5 ms with both strides padded, gate_up [576, 3072]
-    0.74 -> 0.47 ms; AMD Zen 3, 2 threads)."""
-    return n + 64 // element_size if (n * element_size) % 2048 == 0 else n
 
 
 def _k_major(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
