@@ -57,3 +57,27 @@ def test_a_rows_own_slots_are_freed_and_nothing_else():
     twice = store.alloc(3)
     with pytest.raises(AssertionError):
         store.free_rows(np.concatenate([twice, twice[:1]]).astype(np.int32))
+
+
+def test_a_shift_within_the_table_keeps_it():
+    """Rows longer than `end` after `clear()` (the next call of a few-shot query) shift the table in place when
+    it is large enough: the same tensor, so that what was built on it (the fused decoder) stays; a row that
+    stays is moved with its slots; a larger table is a new one."""
+    store = KVStore(1, 1, 4, torch.float32, torch.device("cpu"), 8192)
+    pool = KVPool(store, rows=2, columns=256)
+    pool.make_room(1, 300, extra=2)                      # regrown: 300 tokens do not fit left of end 128
+    grown = pool.table
+    pool.add_rows([300])
+    pool.clear()
+    pool.make_room(1, 300, extra=2)                      # end is back at the headroom: a shift
+    assert pool.table is grown and pool.end >= 300
+    slot, = pool.add_rows([300])
+    pool.set_row(slot, store.alloc(280), 20)             # a trie prefix of 280 slots, 20 of its own
+    kept = pool.table[slot, pool.start[slot]:pool.end].clone()
+    assert int((kept != 0).sum()) == 300
+    pool.make_room(2, 400, extra=2)                      # a longer row joins: the first one shifts with its slots
+    assert pool.table is grown
+    assert torch.equal(pool.table[slot, pool.start[slot]:pool.end], kept)
+    assert int((pool.table[slot] != 0).sum()) == 300     # ZERO_SLOT elsewhere
+    pool.make_room(4, 400, extra=2)                      # more rows than it has: a new table
+    assert pool.table is not grown

@@ -70,13 +70,20 @@ class KVPool:
         needed = new_end + (self.ahead - self.end) + extra + 1 + self.headroom
         columns = max(needed, 5 * self.column_capacity // 4) if needed > self.column_capacity else self.column_capacity
         row_capacity = max(3 * self.row_capacity // 2, rows) if rows > self.row_capacity else self.row_capacity
-        new = torch.full((row_capacity, columns), ZERO_SLOT, dtype=torch.int32)
         lo = used_from - shift
-        new[: self.rows, lo:lo + span] = self.table[: self.rows, used_from:self.ahead]
-        self.table = new
+        if (row_capacity, columns) == tuple(self.table.shape):
+            # a shift within the same table (every row dropped since, or rows longer than `end`): in place,
+            # so that whatever was built on the table (a fused decoder, its CPU plan) stays valid
+            kept = self.table[: self.rows, used_from:self.ahead].clone()
+            self.table.fill_(ZERO_SLOT)
+            self.table[: self.rows, lo:lo + span] = kept
+        else:
+            new = torch.full((row_capacity, columns), ZERO_SLOT, dtype=torch.int32)
+            new[: self.rows, lo:lo + span] = self.table[: self.rows, used_from:self.ahead]
+            self.table = new
         if self.mirror is not None:
-            if self.mirror.shape != new.shape:
-                self.mirror = torch.full_like(new, ZERO_SLOT, device=self.device)
+            if self.mirror.shape != self.table.shape:
+                self.mirror = torch.full_like(self.table, ZERO_SLOT, device=self.device)
             self._dirty = [(0, row_capacity, 0, columns)]
         self.start = [s - shift for s in self.start]
         self.end, self.ahead = new_end, self.ahead - shift
