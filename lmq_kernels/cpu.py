@@ -51,7 +51,8 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "quantized_mm", "dequantize", "attention", "prefill_attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error",
+__all__ = ["small_m_mm", "quantized_mm", "dequantize", "attention", "prefill_attention", "rmsnorm", "silu_mul",
+           "rope_append", "available", "build", "build_error",
            "use", "mode", "choose", "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")

@@ -79,7 +79,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
         return False
     hkv = k.shape[1] if k.dim() == 3 else 0
     if (not _store_ok(k, v, d) or hq % max(hkv, 1) or hkv == 0 or out.shape != q.shape
-            or not cpu._rows_ok(q, out) or (b > 1 and (q.stride(0) != t * q.stride(1) or out.stride(0) != t * out.stride(1)))
+            or not cpu._rows_ok(q, out)
+            or (b > 1 and (q.stride(0) != t * q.stride(1) or out.stride(0) != t * out.stride(1)))
             or not _table_ok(table, b) or not t <= end <= table.shape[1]
             or not _ints_ok(start, b) or not _ints_ok(new, b)):
         return False

@@ -1,11 +1,12 @@
-"""The fused prefill (`Prefill.prefill`, the engine's choice on a GPU): the decode step's layer loop over the
-T new tokens of B left-padded rows at once.
+"""The fused prefill (`Prefill.prefill`, the engine's choice for Llama-family models): the decode step's layer
+loop over the T new tokens of B left-padded rows at once.
 
 [B T, ...] activations allocated per call, the RoPE/append kernel writing token t of row b to column
-end - T + t (padding tokens, at position -1, write nothing), attention over the rows' columns [start, end):
-on a GPU by `lmq_kernels.prefill_attention` through the page tables (no K/V copied); on a CPU by
-`grouped_attention` over a gathered copy (torch's fused attention, a boolean mask only when rows differ in
-length), final norm and LM head for the last token of each row. Eager: every prefill has new
+end - T + t (padding tokens, at position -1, write nothing), attention over the rows' columns [start, end)
+through the page tables (no K/V copied): on a GPU by `lmq_kernels.prefill_attention`, on a CPU by
+`lmq_kernels.cpu.prefill_attention` (C), each where it pays (see `prefill`); else by `grouped_attention` over a
+gathered copy (torch's fused attention, a boolean mask only when rows differ in length); final norm and LM
+head for the last token of each row. Eager: every prefill has new
 shapes. Measured inside a query on an H200, Llama-3.2-1B shape, 2,046 new tokens: ~10 ms (184 launches,
 8.3 ms of GPU work) where the model's forward takes 15-31 ms (700 launches, 11.9 ms of GPU work, the rest
 waiting on Python).
@@ -132,7 +133,8 @@ class Prefill(LayerOps):
         return attend
 
     def _gathered_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
-        """Attention over a dense copy of the rows' columns (torch's fused attention; the CPU's path)."""
+        """Attention over a dense copy of the rows' columns (torch's fused attention), where lmq's kernels do
+        not run."""
         first, dev = min(starts), self.device
         allowed = None  # every row as long as the others: causal attention of the T tokens ending at `end`
         if any(s != first for s in starts):
