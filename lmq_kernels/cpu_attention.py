@@ -22,8 +22,7 @@ MIN_ROWS, HEAD_DIMS = 1, (64, 128, 256)
 
 
 def _store_ok(k: torch.Tensor, v: torch.Tensor, d: int) -> bool:
-    return (k.dim() == 3 and k.shape[2] == d and v.shape == k.shape
-            and all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 for x in (k, v)))
+    return k.dim() == 3 and k.shape[2] == d and v.shape == k.shape and cpu._rows_ok(k, v)
 
 
 def _table_ok(table: torch.Tensor, rows: int) -> bool:
@@ -78,7 +77,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
     if lib is None:
         return False
     hkv = k.shape[1] if k.dim() == 3 else 0
-    if (not _store_ok(k, v, d) or hq % max(hkv, 1) or hkv == 0 or out.shape != q.shape
+    if (not _store_ok(k, v, d) or hkv == 0 or hq % hkv or out.shape != q.shape
             or not cpu._rows_ok(q, out)
             or (b > 1 and (q.stride(0) != t * q.stride(1) or out.stride(0) != t * out.stride(1)))
             or not _table_ok(table, b) or not t <= end <= table.shape[1]
