@@ -36,6 +36,8 @@ class HoleConstraint:
     def __init__(self, node: _Node, vocab: VocabIndex, stops: list[_StopString], max_tokens: int | None):
         self.node, self.vocab, self.stops, self.max_tokens = node, vocab, stops, max_tokens
         self.unconstrained = isinstance(node, _FreeNode) and not stops and max_tokens is None
+        # advance()'s check of a token, per token: bytes index as ints, ~5x faster than the numpy array
+        self._special = vocab.special.astype(np.uint8).tobytes()
 
     def start(self) -> "HoleState":
         return HoleState(self)
@@ -69,7 +71,8 @@ class HoleState:
 
     def allowed(self) -> np.ndarray | None:
         if self._allowed is False:
-            if self._stopped is not None or (self.hc.max_tokens is not None and self.n_tokens >= self.hc.max_tokens):
+            limit = self.hc.max_tokens
+            if self._stopped is not None or (limit is not None and len(self.ctx.tokens) >= limit):
                 mask = np.zeros(self.hc.vocab.size, dtype=bool)
             else:
                 mask = self.root.allowed()
@@ -86,23 +89,25 @@ class HoleState:
         if self._stopped is not None:
             raise LMQRuntimeError("advance() after the hole stopped")
         token_id = int(token_id)
-        vocab = self.hc.vocab
-        if not 0 <= token_id < vocab.size or vocab.special[token_id]:
+        hc = self.hc
+        special = hc._special
+        if not 0 <= token_id < len(special) or special[token_id]:
             raise LMQRuntimeError(f"token {token_id} cannot be part of a value (special or out of range)")
         ctx = self.ctx
-        old_len = len(ctx.value)
-        ctx.value += vocab.token_bytes[token_id]
-        ctx.ends.append(len(ctx.value))
+        value = ctx.value
+        old_len = len(value)
+        value += hc.vocab.token_bytes[token_id]
+        ctx.ends.append(len(value))
         ctx.tokens.append(token_id)
         self._allowed = False
         self.root.advance(token_id, old_len)
         end: int | None = None
-        for rule in self.hc.stops:
-            e = rule.end(ctx.value, old_len)
+        for rule in hc.stops:
+            e = rule.end(value, old_len)
             if e is not None and (end is None or e < end):
                 end = e
-        if end is None and self.hc.max_tokens is not None and self.n_tokens >= self.hc.max_tokens:
-            end = len(ctx.value)
+        if end is None and hc.max_tokens is not None and len(ctx.tokens) >= hc.max_tokens:
+            end = len(value)
         if end is None:
             return None
         self._stopped = self._make_stop(end)
