@@ -296,6 +296,17 @@ def test_int(vocab):
     assert not m[vocab.bytes_to_ids[b"a"]].any()
 
 
+def test_a_special_or_out_of_range_token_is_no_part_of_a_value(vocab):
+    special = int(np.flatnonzero(vocab.special)[0])
+    for bad in (-1, vocab.size, vocab.size + 7, special):
+        s = compiled(None, vocab).start()
+        with pytest.raises(LMQRuntimeError, match="special or out of range"):
+            s.advance(bad)
+        assert s.n_tokens == 0 and s.text == ""  # nothing of the refused token was appended
+    s = compiled(None, vocab).start()
+    assert s.advance(vocab.bytes_to_ids[b"a"][0]) is None and s.text == "a"
+
+
 # ----- STARTS_WITH ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prefix", ["Hello", " the answer is", "日本", "{\"a\":"])
