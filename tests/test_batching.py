@@ -81,6 +81,42 @@ async def test_shared_new_prefix_is_prefilled_once(make_backend):
     assert s.tokens_reused > 0
 
 
+async def test_a_prefill_reads_at_most_its_limit_and_looks_up_only_what_can_fit(make_backend, monkeypatch):
+    """`max_prefill_read` bounds the columns (cached + new tokens of every row) of a prefill step's rows (a lone
+    row always runs), and a step looks up in the trie only the waiting requests whose prompts fit it, and
+    SELECT_MARGIN more; the runner's limit (none for the fused prefill on a GPU, which reads through the
+    page tables) leaves the decode batch's seats as the bound. The answers do not change."""
+    from lmq_backend.engine import scheduler as sched
+
+    monkeypatch.setattr(sched, "SELECT_MARGIN", 2)
+    items = list(range(24))
+    expected = await reference(make_backend, "llama", items)
+    largest = {}
+    for limit in (100, None):
+        backend = make_backend("llama")
+        backend.scheduler.max_prefill_read = limit
+        steps, windows = [], []
+        backend.on_step(steps.append)
+        window = backend.scheduler._window
+
+        def recorded(most, read_limit):
+            w = window(most, read_limit)
+            windows.append((read_limit, [len(x.request.ids) for x in w]))
+            return w
+        backend.scheduler._window = recorded
+        q = lmq.Query(SRC, model=backend)
+        got = await asyncio.gather(*(q.run(inputs(i)) for i in items))
+        assert [r.variables for r in got] == expected
+        prefills = [s for s in steps if s.kind == "prefill"]
+        largest[limit] = max(s.batch_size for s in prefills)
+        if limit is not None:
+            assert all(s.batch_size == 1 or s.new_tokens + s.cached_tokens <= limit for s in prefills)
+            # looked up: those that fit by their prompts' lengths, and two more
+            assert all(read_limit == limit and sum(lengths[:-2]) <= limit for read_limit, lengths in windows)
+        assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    assert 1 < largest[100] < largest[None]
+
+
 async def test_failing_and_cancelled_queries_leave_the_batch(make_backend):
     backend = make_backend("llama")
     items = list(range(6))

@@ -31,6 +31,11 @@ from torch.nn.attention.bias import causal_lower_right
 # length, where flash attention's costs nothing), and a query engine sees a new length at every call.
 _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+# The columns (cached + new tokens of every row) that one prefill's attention may gather, every layer: the
+# model's forward and the torch paths copy them ([rows x columns] of K and V a layer); the kernels that
+# read through the page tables do not (`ModelRunner.prefill_read_limit`).
+PREFILL_READ = 131072
+
 
 def model_attention(device: torch.device):
     """The context the engine runs the model's forwards in: on a GPU, torch's fused attention without the

@@ -17,7 +17,7 @@ import torch
 
 from ..cache.kv_store import KVStore, token_bytes
 from . import compat
-from .attention import model_attention
+from .attention import PREFILL_READ, model_attention
 from .kv_pool import KVPool
 from .picks import masked_argmax
 
@@ -71,6 +71,14 @@ class ModelRunner:
         # scheduler lets the queries' host work run while the device computes; None: the step is done
         self.ready: torch.cuda.Event | None = None
         compat.use_grouped_attention(model)  # attention.py: GQA on the pool's views, no mask without padding
+
+    @property
+    def prefill_read_limit(self) -> int | None:
+        """The columns one prefill may read in all (cached and new tokens of every row), or None: no limit.
+        The model's forward and the torch attention paths gather them, every layer; the fused prefill on a
+        GPU reads them through the page tables (and gathers at most `PREFILL_READ`: see `Prefill.prefill`),
+        so there a prefill takes as many rows as the decode batch has seats."""
+        return None if self.fused_prefill and self.device.type == "cuda" else PREFILL_READ
 
     def new_store(self, budget_bytes: int) -> KVStore:
         """The K/V store (see `cache/kv_store.py`) with as many token slots as `budget_bytes` holds."""

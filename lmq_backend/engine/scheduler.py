@@ -88,8 +88,9 @@ class Scheduler:
     runner: ModelRunner
     store: KVStore
     max_prefill_tokens: int = 16384
-    # columns a prefill's attention reads (cached + new tokens of every row): the forward gathers them
-    max_prefill_read: int = 131072
+    # columns a prefill's attention reads (cached + new tokens of every row), where its attention gathers
+    # them; None: the runner's `prefill_read_limit`
+    max_prefill_read: int | None = None
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[_Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
@@ -219,9 +220,10 @@ class Scheduler:
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         if seats <= 0:
             return []
+        read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
         # the first arrivals, enough to fill the seats and a few more, compete (a trie lookup each; those not
         # chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting)
-        ready = [w for w in self.waiting[: seats + SELECT_MARGIN] if not w.future.done()]
+        ready = self._window(seats + SELECT_MARGIN, read_limit)
         for w in ready:
             w.row = w.request.prepare()
         ready.sort(key=lambda w: -w.row.cached)
@@ -237,7 +239,8 @@ class Scheduler:
             key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
             shares = any(self._shares_new_prefix(w, c) for c in starts.get(key, ()))
             if shares or (chosen and (tokens + len(w.row.ids) > self.max_prefill_tokens
-                                      or read + w.row.cached + len(w.row.ids) > self.max_prefill_read)):
+                                      or (read_limit is not None
+                                          and read + w.row.cached + len(w.row.ids) > read_limit))):
                 continue
             need = len(w.row.ids) + AHEAD + DECODE_RESERVE
             if need > room and (chosen or self.rows):  # wait for rows to leave (alone, it is tried anyway)
@@ -248,6 +251,21 @@ class Scheduler:
             tokens += len(w.row.ids)
             read += w.row.cached + len(w.row.ids)
         return chosen
+
+    def _window(self, most: int, read_limit: int | None) -> list[_Waiting]:
+        """The first `most` live waiting requests, fewer where their prompts (cached or not: what a prefill
+        reads) pass `read_limit` by SELECT_MARGIN requests: no more could be chosen this round."""
+        window: list[_Waiting] = []
+        read = over = 0
+        for w in self.waiting:
+            if len(window) >= most or over >= SELECT_MARGIN:
+                break
+            if w.future.done():
+                continue
+            window.append(w)
+            read += len(w.request.ids)
+            over += read_limit is not None and read > read_limit
+        return window
 
     @staticmethod
     def _shares_new_prefix(w: _Waiting, chosen: _Waiting) -> bool:

@@ -23,7 +23,7 @@ from lmq_kernels import cpu
 from lmq_kernels.prefill_attention import prefill_attention
 from lmq_kernels.prefill_attention import programs as paged_programs
 
-from ..attention import grouped_attention, model_attention
+from ..attention import PREFILL_READ, grouped_attention, model_attention
 from .ops import LayerOps
 
 
@@ -38,7 +38,7 @@ class Prefill(LayerOps):
     # On a GPU: attention through the page tables where the kernel has a program for every multiprocessor
     # (many rows, or many new tokens); else (one row's few new tokens after a long prefix) the gather and
     # torch's kernel, which splits the columns (Llama-3.2-1B, 10 tokens after 2,046: 2.4 ms against 4.7 ms
-    # a prefill). False: always the gather.
+    # a prefill), and where the gather would copy more than PREFILL_READ columns. False: always the gather.
     paged_attention = True
 
     @torch.inference_mode()
@@ -75,8 +75,8 @@ class Prefill(LayerOps):
         hq, d = self.Hq, self.D
         if not self.triton:
             attend = self._cpu_attention(B, T, starts, starts_d, slot, end, torch.from_numpy(m.astype(np.int32)))
-        elif self.paged_attention and (not self.cuda or paged_programs(B, T, hq, self.H_kv, d, self.dtype)
-                                       >= _multiprocessors(dev)):
+        elif self.paged_attention and (not self.cuda or B * (end - min(starts)) > PREFILL_READ
+                                       or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= _multiprocessors(dev)):
             attend = self._paged_attention(B, T, starts, starts_d, slot, end)
         else:
             attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
