@@ -161,6 +161,22 @@ def test_measurement_stays_short(tmp_path):
     assert 2 <= calls["lmq"] <= 8 and 2 <= calls["torch"] <= 8, calls  # a warm-up call, then the rounds
 
 
+def test_long_calls_far_apart_are_decided_in_two_rounds(tmp_path):
+    """Calls of >= 1 ms whose best times are 2x apart after two rounds settle the choice (a settled one: kept
+    in the file); short calls, or close ones, run the usual rounds whatever the ratio."""
+    from lmq_kernels.cpu_calibration import MIN_ROUNDS
+
+    cal = Calibration(tmp_path / "cal.json", "k")
+    assert cal.choose("op", ("far",), bench(0.002, 0.006))
+    assert not cal.choose("op", ("far, torch",), bench(0.006, 0.002))
+    assert cal.choose("op", ("close",), bench(0.003, 0.004))
+    assert cal.choose("op", ("short",), bench(0.0001, 0.0003))
+    got = cal.choices()
+    assert got["op/far"]["rounds"] == 2 and got["op/far"]["stable"]
+    assert got["op/far, torch"]["rounds"] == 2 and got["op/far, torch"]["use"] == "torch"
+    assert got["op/close"]["rounds"] >= MIN_ROUNDS and got["op/short"]["rounds"] >= MIN_ROUNDS
+
+
 # ------------------------------------------------------------------------------------- through the ops
 
 @pytest.fixture
