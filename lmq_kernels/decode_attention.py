@@ -111,7 +111,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (the kernels size their grids by it)."""
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 132  # H200 default, keeps CPU tests on the same split schedule
@@ -261,7 +262,7 @@ def decode_attention(
         cfg_warps = num_warps
     blocks = -(-B // rows)
     if num_splits is None:
-        splits, chunk = choose_num_splits(blocks, H_kv, S, cfg_bn, _sm_count(q.device))
+        splits, chunk = choose_num_splits(blocks, H_kv, S, cfg_bn, sm_count(q.device))
     else:
         splits = max(1, min(int(num_splits), -(-S // cfg_bn)))
         chunk = -(-(-(-S // splits)) // cfg_bn) * cfg_bn

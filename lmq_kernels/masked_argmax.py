@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _sm_count, interpreter_active
+from .decode_attention import interpreter_active, sm_count
 
 __all__ = ["masked_argmax_k", "masked_argmax_k_reference"]
 
@@ -101,7 +101,7 @@ def masked_argmax_k(logits: torch.Tensor, masks: torch.Tensor, out: torch.Tensor
     masks = masks.contiguous()
     assert out.shape == (K, B) and out.stride(-1) == 1
     tiles = triton.cdiv(V, BLOCK)
-    splits = min(tiles, max(1, triton.cdiv(2 * _sm_count(logits.device), B)))
+    splits = min(tiles, max(1, triton.cdiv(2 * sm_count(logits.device), B)))
     chunk = triton.cdiv(tiles, splits) * BLOCK
     splits = triton.cdiv(V, chunk)
     k_pad = triton.next_power_of_2(max(K, 1))

@@ -13,23 +13,18 @@ waiting on Python).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
 import torch
 
 from lmq_kernels import cpu
+from lmq_kernels.decode_attention import sm_count
 from lmq_kernels.prefill_attention import prefill_attention
 from lmq_kernels.prefill_attention import programs as paged_programs
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
 from .ops import LayerOps
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class Prefill(LayerOps):
@@ -76,7 +71,7 @@ class Prefill(LayerOps):
         if not self.triton:
             attend = self._cpu_attention(B, T, starts, starts_d, slot, end, torch.from_numpy(m.astype(np.int32)))
         elif self.paged_attention and (not self.cuda or B * (end - min(starts)) > PREFILL_READ
-                                       or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= _multiprocessors(dev)):
+                                       or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= sm_count(dev)):
             attend = self._paged_attention(B, T, starts, starts_d, slot, end)
         else:
             attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
