@@ -207,6 +207,48 @@ def test_attention_rows_are_independent_bitwise(kernels):
     assert torch.equal(one_thread, full)
 
 
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_attention_over_shared_prefixes(Hq, Hkv, D, kernels):
+    """Rows whose tables point at the same slots (a prefix in the trie, as in every few-shot batch): each row
+    matches the reference and gets the bits it gets alone, in any batch, on any number of threads. The rows: four on one 300-token prefix (one of them left-padded, so its chunks fall elsewhere), two that part
+    inside a chunk, one on a prefix of its own, one with a single column."""
+    g = torch.Generator().manual_seed(Hq * D)
+    S, prefix = 420, 300
+    store = torch.randn(2, 1 + prefix + 8 * S, Hkv, D, generator=g)
+    shared = torch.arange(1, prefix + 1, dtype=torch.int32)
+    own = lambda b, n: torch.arange(1 + prefix + b * S, 1 + prefix + b * S + n, dtype=torch.int32)  # noqa: E731
+    rows = [torch.cat([shared, own(0, S - prefix)]), torch.cat([shared, own(1, S - prefix)]),
+            torch.cat([shared[:190], own(2, S - 190)]), torch.cat([shared, own(3, S - prefix)]),
+            torch.cat([torch.zeros(20, dtype=torch.int32), shared, own(4, S - prefix - 20)]),
+            torch.cat([shared, own(5, S - prefix)]), own(6, S), torch.cat([torch.zeros(S - 1, dtype=torch.int32), own(7, 1)])]
+    table = torch.stack(rows).contiguous()
+    starts = torch.tensor([0, 0, 0, 0, 20, 0, 0, S - 1], dtype=torch.int32)
+    q = torch.randn(8, Hq, D, generator=g)
+    k, v = store[0], store[1]
+    full = torch.full((8, Hq, D), float("nan"))
+    assert cpu.attention(q, k, v, table, starts, full, D ** -0.5)
+    dense_k = k[table.long()].transpose(1, 2)      # [B, Hkv, S, D]
+    dense_v = v[table.long()].transpose(1, 2)
+    torch.testing.assert_close(full.double(), attention_reference(q, dense_k, dense_v, starts, D ** -0.5),
+                               atol=2e-6, rtol=1e-5)
+    for b in range(8):
+        alone = torch.empty(1, Hq, D)
+        assert cpu.attention(q[b:b + 1], k, v, table[b:b + 1], starts[b:b + 1], alone, D ** -0.5)
+        assert torch.equal(alone[0], full[b]), b
+    for sel in ([1, 0, 3, 5], [5, 3], [0, 4, 1, 2, 7, 3]):
+        part = torch.empty(len(sel), Hq, D)
+        assert cpu.attention(q[sel], k, v, table[sel].contiguous(), starts[sel], part, D ** -0.5)
+        assert torch.equal(part, full[sel])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty(8, Hq, D)
+        assert cpu.attention(q, k, v, table, starts, one, D ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, full)
+
+
 def test_attention_clamps_starts(kernels):
     q, k, v, starts = attention_case(3, 4, 2, 20, 64, seed=4)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
