@@ -86,24 +86,25 @@ async def test_a_prefill_reads_at_most_its_limit_and_looks_up_only_what_can_fit(
     row always runs), and a step looks up in the trie only the waiting requests whose prompts fit it, and
     SELECT_MARGIN more; the runner's limit (none for the fused prefill on a GPU, which reads through the
     page tables) leaves the decode batch's seats as the bound. The answers do not change."""
-    from lmq_backend.engine import scheduler as sched
+    from lmq_backend.engine import admission
 
-    monkeypatch.setattr(sched, "SELECT_MARGIN", 2)
+    monkeypatch.setattr(admission, "SELECT_MARGIN", 2)
+    window, windows = admission.window, []
+
+    def recorded(waiting, most, read_limit):
+        w = window(waiting, most, read_limit)
+        windows.append((read_limit, [len(x.request.ids) for x in w]))
+        return w
+    monkeypatch.setattr(admission, "window", recorded)
     items = list(range(24))
     expected = await reference(make_backend, "llama", items)
     largest = {}
     for limit in (100, None):
         backend = make_backend("llama")
         backend.scheduler.max_prefill_read = limit
-        steps, windows = [], []
+        steps = []
+        windows.clear()
         backend.on_step(steps.append)
-        window = backend.scheduler._window
-
-        def recorded(most, read_limit):
-            w = window(most, read_limit)
-            windows.append((read_limit, [len(x.request.ids) for x in w]))
-            return w
-        backend.scheduler._window = recorded
         q = lmq.Query(SRC, model=backend)
         got = await asyncio.gather(*(q.run(inputs(i)) for i in items))
         assert [r.variables for r in got] == expected

@@ -10,10 +10,11 @@ task runs the steps:
                            the new rows join the running batch (continuous batching)
         elif every running row has its next token:  one decode forward for the whole batch
 
-Rows join and leave between steps. A prefill that waits behind another one sharing a long uncached
-prefix is held back a round, so the shared part is computed once and then found in the trie. Prefills are
-admitted while the decode batch has seats (`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows to grow
-(`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
+Rows join and leave between steps. Which waiting prefills a step runs is `admission.py`'s choice: a
+prefill that waits behind another one sharing a long uncached prefix is held back a round, so the shared
+part is computed once and then found in the trie; prefills are admitted while the decode batch has seats
+(`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows
+to grow (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
 out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
 does not fit waits for running rows to leave. When the running rows' next decode columns need more slots
 than the store can give, the rows that joined last are preempted (vLLM's recompute preemption): they
@@ -25,36 +26,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from ..cache.kv_store import KVStore, OutOfSlots
 from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
-from .runner import ModelRunner, PrefillRow
+from . import admission
+from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
+from .runner import ModelRunner
 
-SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
-AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
-DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
-SELECT_MARGIN = 32      # waiting requests looked up beyond the decode batch's free seats, to choose among
 
 
 class Preempted(Exception):
     """The row was taken out of the running batch to free K/V slots for older rows: prefill its tokens
     again and go on (`HFBackend.generate` does)."""
-
-
-class PrefillRequest(Protocol):
-    """What a backend hands the scheduler for one prefill. Both methods run inside a scheduler step."""
-
-    ids: list[int]
-
-    def prepare(self) -> PrefillRow:
-        """Look up the cached prefix now; returns the row to prefill."""
-
-    def complete(self, logits: torch.Tensor, row: "Row") -> None:
-        """The row's prefill ran: store what it computed (before any later step can move it)."""
 
 
 @dataclass(eq=False)
@@ -76,13 +63,6 @@ class Row:
         return picks(mask, i)
 
 
-@dataclass(eq=False)
-class _Waiting:
-    request: PrefillRequest
-    future: asyncio.Future
-    row: PrefillRow | None = None
-
-
 @dataclass
 class Scheduler:
     runner: ModelRunner
@@ -92,7 +72,7 @@ class Scheduler:
     # them; None: the runner's `prefill_read_limit`
     max_prefill_read: int | None = None
     on_step: Callable[[StepInfo], None] | None = None
-    waiting: list[_Waiting] = field(default_factory=list)
+    waiting: list[Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
     # id(row) -> (token, the greedy mask its next pick will likely use or None, future, continuation or None)
     decodes: dict[int, tuple] = field(default_factory=dict)
@@ -113,7 +93,7 @@ class Scheduler:
         ahead of the others (a preempted row resuming)."""
         loop = self._loop()
         future = loop.create_future()
-        self.waiting.insert(0 if first else len(self.waiting), _Waiting(request, future))
+        self.waiting.insert(0 if first else len(self.waiting), Waiting(request, future))
         self._wake.set()
         try:
             return await future
@@ -214,68 +194,14 @@ class Scheduler:
             if ran and (self.waiting or (self.rows and len(self.decodes) == len(self.rows))):
                 self._wake.set()
 
-    def _select(self) -> list[_Waiting]:
-        """Cache-aware choice of the prefills to run now: longest cached prefix first; a request whose
-        new tokens begin with a long prefix that a chosen one will compute waits for the trie instead."""
+    def _select(self) -> list[Waiting]:
+        """The prefills to run now (`admission.select`: cache-aware, within the seats, slots and limits)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         if seats <= 0:
             return []
         read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
-        # the first arrivals, enough to fill the seats and a few more, compete (a trie lookup each; those not
-        # chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting)
-        ready = self._window(seats + SELECT_MARGIN, read_limit)
-        for w in ready:
-            w.row = w.request.prepare()
-        ready.sort(key=lambda w: -w.row.cached)
-        chosen: list[_Waiting] = []
-        tokens = read = 0
-        starts: dict[tuple[int, int], list[_Waiting]] = {}
         room = self.store.available() - DECODE_RESERVE * len(self.rows)
-        for w in ready:
-            if len(chosen) >= seats:
-                break
-            # a chosen request whose new tokens start the same way (the same first new token at the same
-            # cached length: a dict lookup, then the exact check against those few)
-            key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
-            shares = any(self._shares_new_prefix(w, c) for c in starts.get(key, ()))
-            if shares or (chosen and (tokens + len(w.row.ids) > self.max_prefill_tokens
-                                      or (read_limit is not None
-                                          and read + w.row.cached + len(w.row.ids) > read_limit))):
-                continue
-            need = len(w.row.ids) + AHEAD + DECODE_RESERVE
-            if need > room and (chosen or self.rows):  # wait for rows to leave (alone, it is tried anyway)
-                continue
-            chosen.append(w)
-            starts.setdefault(key, []).append(w)
-            room -= need
-            tokens += len(w.row.ids)
-            read += w.row.cached + len(w.row.ids)
-        return chosen
-
-    def _window(self, most: int, read_limit: int | None) -> list[_Waiting]:
-        """The first `most` live waiting requests, fewer where their prompts (cached or not: what a prefill
-        reads) pass `read_limit` by SELECT_MARGIN requests: no more could be chosen this round."""
-        window: list[_Waiting] = []
-        read = over = 0
-        for w in self.waiting:
-            if len(window) >= most or over >= SELECT_MARGIN:
-                break
-            if w.future.done():
-                continue
-            window.append(w)
-            read += len(w.request.ids)
-            over += read_limit is not None and read > read_limit
-        return window
-
-    @staticmethod
-    def _shares_new_prefix(w: _Waiting, chosen: _Waiting) -> bool:
-        """Will `chosen` compute a prefix of w's tokens that neither has cached: SHARED_PREFIX_MIN tokens of
-        it, or all of w's prompt (so w can wait and then reuse it from the trie)?"""
-        ids, other = w.request.ids, chosen.request.ids
-        cached = max(w.row.cached, chosen.row.cached)
-        k = min(cached + SHARED_PREFIX_MIN, len(ids) - 1, len(other))
-        # the new part first: a few tokens, where requests sharing a long cached prefix differ
-        return k > cached and ids[cached:k] == other[cached:k] and ids[:cached] == other[:cached]
+        return admission.select(self.waiting, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit)
 
     async def _device_done(self) -> None:
         """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
@@ -293,7 +219,7 @@ class Scheduler:
         await self._prefill(chosen)
         return bool(chosen)
 
-    async def _prefill(self, batch: list[_Waiting]) -> None:
+    async def _prefill(self, batch: list[Waiting]) -> None:
         if not batch:
             return
         started = time.perf_counter()
@@ -306,7 +232,7 @@ class Scheduler:
                 raise
             if len(batch) == 1:
                 if self.rows:  # running rows will leave and free their slots: wait for them
-                    self.waiting.append(_Waiting(batch[0].request, batch[0].future))
+                    self.waiting.append(Waiting(batch[0].request, batch[0].future))
                     return
                 what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
                 batch[0].future.set_exception(LMQBackendError(

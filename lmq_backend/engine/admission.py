@@ -1,0 +1,108 @@
+"""Which waiting prefills a scheduler step runs (`select`): cache-aware, within the decode batch's seats, the
+K/V store's free slots and the step's token and read limits.
+
+The longest cached prefix goes first (its rows compute least); a request whose new tokens begin with a long
+prefix that a chosen one will compute waits for the trie instead (the shared part is computed once); a request
+is admitted while the store has slots for its new tokens and room for the running rows to grow
+(`DECODE_RESERVE` a row), else it waits for rows to leave (alone, with no running rows, it is tried anyway: a
+failure then says how much it needs). Only the first arrivals are looked up in the trie (`window`): those not
+chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .runner import PrefillRow
+
+if TYPE_CHECKING:
+    from .scheduler import Row
+
+SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
+AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
+DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
+SELECT_MARGIN = 32      # waiting requests looked up beyond what can be chosen, to choose among
+
+
+class PrefillRequest(Protocol):
+    """What a backend hands the scheduler for one prefill. Both methods run inside a scheduler step."""
+
+    ids: list[int]
+
+    def prepare(self) -> PrefillRow:
+        """Look up the cached prefix now; returns the row to prefill."""
+
+    def complete(self, logits: torch.Tensor, row: "Row") -> None:
+        """The row's prefill ran: store what it computed (before any later step can move it)."""
+
+
+@dataclass(eq=False)
+class Waiting:
+    request: PrefillRequest
+    future: asyncio.Future
+    row: PrefillRow | None = None
+
+
+def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
+           read_limit: int | None) -> list[Waiting]:
+    """The waiting requests to prefill now: at most `seats`, their new tokens at most `max_tokens` and the
+    columns their attention reads (cached + new) at most `read_limit` (None: no limit) together (a first one
+    alone passes these two), each needing its new tokens + AHEAD + DECODE_RESERVE of the `room` free slots
+    unless it is the only one and no rows are `running`."""
+    if seats <= 0:
+        return []
+    ready = window(waiting, seats + SELECT_MARGIN, read_limit)
+    for w in ready:
+        w.row = w.request.prepare()
+    ready.sort(key=lambda w: -w.row.cached)
+    chosen: list[Waiting] = []
+    tokens = read = 0
+    starts: dict[tuple[int, int], list[Waiting]] = {}
+    for w in ready:
+        if len(chosen) >= seats:
+            break
+        # a chosen request whose new tokens start the same way (the same first new token at the same cached
+        # length: a dict lookup, then the exact check against those few)
+        key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
+        shares = any(shares_new_prefix(w, c) for c in starts.get(key, ()))
+        if shares or (chosen and (tokens + len(w.row.ids) > max_tokens
+                                  or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit))):
+            continue
+        need = len(w.row.ids) + AHEAD + DECODE_RESERVE
+        if need > room and (chosen or running):  # wait for rows to leave (alone, it is tried anyway)
+            continue
+        chosen.append(w)
+        starts.setdefault(key, []).append(w)
+        room -= need
+        tokens += len(w.row.ids)
+        read += w.row.cached + len(w.row.ids)
+    return chosen
+
+
+def window(waiting: list[Waiting], most: int, read_limit: int | None) -> list[Waiting]:
+    """The first `most` live waiting requests, fewer where their prompts (cached or not: what a prefill reads)
+    pass `read_limit` by SELECT_MARGIN requests: no more could be chosen this round."""
+    out: list[Waiting] = []
+    read = over = 0
+    for w in waiting:
+        if len(out) >= most or over >= SELECT_MARGIN:
+            break
+        if w.future.done():
+            continue
+        out.append(w)
+        read += len(w.request.ids)
+        over += read_limit is not None and read > read_limit
+    return out
+
+
+def shares_new_prefix(w: Waiting, chosen: Waiting) -> bool:
+    """Will `chosen` compute a prefix of w's tokens that neither has cached: SHARED_PREFIX_MIN tokens of it, or
+    all of w's prompt (so w can wait and then reuse it from the trie)?"""
+    ids, other = w.request.ids, chosen.request.ids
+    cached = max(w.row.cached, chosen.row.cached)
+    k = min(cached + SHARED_PREFIX_MIN, len(ids) - 1, len(other))
+    # the new part first: a few tokens, where requests sharing a long cached prefix differ
+    return k > cached and ids[cached:k] == other[cached:k] and ids[:cached] == other[:cached]
