@@ -84,9 +84,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
             or not _ints_ok(start, b) or not _ints_ok(new, b)):
         return False
     threads = torch.get_num_threads()
-    if not cpu.choose("prefill_attention", (threads, cpu._up(b), cpu._up(t), hq, hkv, d, cpu._up(end)),
+    # the class by the columns the rows read (the longest row's), not by `end`: the pool's end column moves
+    # on with every decode step, and a class of it would be new to calibration long after the first calls
+    span = cpu._up(max(end - max(int(start.min()), 0), t))
+    if not cpu.choose("prefill_attention", (threads, cpu._up(b), cpu._up(t), hq, hkv, d, span),
                       lambda: _benches.prefill_attention(cpu._forced(prefill_attention), cpu._up(b), cpu._up(t),
-                                                         hq, hkv, d, cpu._up(end))):
+                                                         hq, hkv, d, span)):
         return False
     lib.lmq_prefill_attention(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1),
                               v.data_ptr(), v.stride(0), v.stride(1), table.data_ptr(), table.stride(0),

@@ -235,6 +235,22 @@ def test_every_op_is_calibrated_on_first_use(calibrated):
     assert json.loads(calibrated.path.read_text())["choices"] == made
 
 
+@needs_kernels
+def test_the_prefill_attention_class_follows_the_rows_not_the_end_column(calibrated):
+    """The pool's end column moves on with every decode step: the same rows further right are the same class
+    (one measurement, not one per end column a long-running process reaches)."""
+    t = torch.get_num_threads()
+    hq, hkv, d, b, n, cached = 9, 3, 64, 2, 5, 40
+    k, v = torch.randn(6000, hkv, d), torch.randn(6000, hkv, d)
+    for end in (60, 700, 5000):
+        table = torch.randint(1, 6000, (b, end + 2), dtype=torch.int32)
+        start = torch.full((b,), end - cached - n, dtype=torch.int32)
+        q, out = torch.randn(b, n, hq, d), torch.empty(b, n, hq, d)
+        cpu.prefill_attention(q, k, v, table, start, torch.full((b,), n, dtype=torch.int32), end, out, 0.125)
+    made = [name for name in calibrated.choices() if name.startswith("prefill_attention/")]
+    assert made == [f"prefill_attention/{t}/2/8/{hq}/{hkv}/{d}/64"], made
+
+
 def test_modes(monkeypatch):
     for value, want in (("0", "0"), ("1", "1"), ("auto", "auto"), ("", "auto"), ("yes", "auto")):
         monkeypatch.setenv("LMQ_CPU_KERNELS", value)
