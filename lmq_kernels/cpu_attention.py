@@ -60,7 +60,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
     return True
 
 
-
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: torch.Tensor,
                       new: torch.Tensor, end: int, out: torch.Tensor, scale: float) -> bool:
     """out = causal grouped-query attention of the T new tokens of B left-padded rows, q [B, T, Hq, D] (any

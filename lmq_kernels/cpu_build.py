@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_prefill_attention.c", "cpu_ops.c", "cpu_qgemm.c",
-                                           "cpu_step.c")]
+SOURCES = [HERE / name for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_prefill_attention.c", "cpu_ops.c",
+                                    "cpu_qgemm.c", "cpu_step.c")]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 

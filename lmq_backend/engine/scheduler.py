@@ -197,8 +197,6 @@ class Scheduler:
     def _select(self) -> list[Waiting]:
         """The prefills to run now (`admission.select`: cache-aware, within the seats, slots and limits)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
-        if seats <= 0:
-            return []
         read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
         room = self.store.available() - DECODE_RESERVE * len(self.rows)
         return admission.select(self.waiting, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit)
