@@ -39,6 +39,16 @@ class KVPool:
         self._shares = (-1, False)    # (version, shares_prefixes())
 
     @property
+    def table(self) -> torch.Tensor:
+        return self._table
+
+    @table.setter
+    def table(self, table: torch.Tensor) -> None:
+        self._table = table
+        self._np = table.numpy()      # the same memory: the host's row work indexes it (a numpy slice costs
+                                      # ~0.3 us, a torch one ~3)
+
+    @property
     def data(self) -> torch.Tensor:
         """The store's K/V ([L, 2, N, H_kv, D])."""
         return self.store.data
@@ -96,7 +106,7 @@ class KVPool:
         assert hi <= self.column_capacity, "make_room first"
         width = hi - self.ahead
         slots = self.store.alloc(self.rows * width)
-        self.table[: self.rows, self.ahead:hi] = torch.from_numpy(slots.reshape(self.rows, width))
+        self._np[: self.rows, self.ahead:hi] = slots.reshape(self.rows, width)
         self._mark(0, self.rows, self.ahead, hi)
         self.ahead = hi
 
@@ -120,20 +130,20 @@ class KVPool:
         tokens and for the columns [end, ahead) every row has. Raises `OutOfSlots` (nothing taken)."""
         s = self.start[slot]
         own = self.store.alloc(new + self.ahead - self.end)
-        row = self.table[slot]
-        row[s:s + len(cached)] = torch.from_numpy(np.ascontiguousarray(cached, dtype=np.int32))
-        row[s + len(cached):self.ahead] = torch.from_numpy(own)
+        row = self._np[slot]
+        row[s:s + len(cached)] = cached
+        row[s + len(cached):self.ahead] = own
         self._mark(slot, slot + 1, s, self.ahead)
 
     def row_slots(self, slot: int) -> np.ndarray:
         """Every store slot row `slot` points at (its prefix's, its own, those reserved ahead)."""
-        return self.table[slot, self.start[slot]:self.ahead].numpy()
+        return self._np[slot, self.start[slot]:self.ahead]
 
     def release_row(self, slot: int) -> None:
         """Free the slots the row owns (not the trie's): before `remove_row`, or when a failed prefill's rows
         are dropped."""
         self.store.free_rows(self.row_slots(slot))
-        self.table[slot, self.start[slot]:self.ahead] = ZERO_SLOT
+        self._np[slot, self.start[slot]:self.ahead] = ZERO_SLOT
 
     def clear(self) -> None:
         """Drop every row, freeing their slots (the table stays allocated for the next ones)."""
@@ -150,10 +160,10 @@ class KVPool:
         last = self.rows - 1
         moved = None
         if slot != last:
-            s = self.start[last]
-            self.table[slot, s:self.ahead] = self.table[last, s:self.ahead]
-            self.table[slot, :s] = ZERO_SLOT
-            self.table[last, s:self.ahead] = ZERO_SLOT
+            s, table = self.start[last], self._np
+            table[slot, s:self.ahead] = table[last, s:self.ahead]
+            table[slot, :s] = ZERO_SLOT
+            table[last, s:self.ahead] = ZERO_SLOT
             self._mark(slot, slot + 1, 0, self.ahead)
             self.start[slot] = s
             moved = last
@@ -166,7 +176,7 @@ class KVPool:
     def segment(self, slot: int, start: int, end: int) -> np.ndarray:
         """The store slots of tokens [start, end) of a row (positions in the row, not columns): a copy."""
         base = self.start[slot]
-        return self.table[slot, base + start:base + end].numpy().copy()
+        return self._np[slot, base + start:base + end].copy()
 
     def segment_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """The K/V of tokens [start, end) of a row, [L, 2, H_kv, T, D] (a copy, for scoring)."""
@@ -183,7 +193,7 @@ class KVPool:
         first = np.arange(n) // block * block
         starts = np.asarray(self.start[:n], dtype=np.int64)
         deep = self.end - starts >= depth
-        slots = self.table.numpy()[np.arange(n), np.minimum(starts + depth - 1, self.column_capacity - 1)]
+        slots = self._np[np.arange(n), np.minimum(starts + depth - 1, self.column_capacity - 1)]
         follower = np.arange(n) != first
         same = follower & deep & deep[first] & (slots == slots[first])
         shares = bool(2 * same.sum() >= max(follower.sum(), 1)) if n else False
