@@ -31,9 +31,10 @@ QUERY = '''argmax
 
 def reviews(n: int, start: int = 0) -> list[str]:
     """n calls' reviews, numbered from `start` (each row of a run its own numbers: a repeated N must not
-    find its calls' whole prompts in the trie)."""
+    find its calls' whole prompts in the trie), the numbers all 6 digits wide (the default tokenizer spells
+    a digit a token: a call at N=1,024 would otherwise carry one or two more tokens than at 64)."""
     base = W.w1_reviews(20)
-    return [f"{base[i % len(base)]} (visit {i})" for i in range(start, start + n)]
+    return [f"{base[i % len(base)]} (visit {i:06d})" for i in range(start, start + n)]
 
 
 def rss_gb() -> float:
