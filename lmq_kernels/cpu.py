@@ -1,8 +1,8 @@
 """lmq's CPU kernels, in C: built once per machine with its C compiler into one library, called through ctypes.
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
-    quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8/int4 (cpu_qgemm.c)
-    dequantize(q, scale, zero, out) -> bool                          out = W as float32 (cpu_qgemm.c)
+    quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8/int4 (cpu_qgemm.c,
+    dequantize(q, scale, zero, out) -> bool                          out = W as float32    via cpu_quantized.py)
     attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     prefill_attention(q, k, v, table, start, new, end, out, scale)   T new tokens a row, causal GQA
                                                                      (cpu_prefill_attention.c)
@@ -41,7 +41,6 @@ import os
 import platform
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -51,16 +50,16 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "quantized_mm", "dequantize", "attention", "prefill_attention", "rmsnorm", "silu_mul",
-           "rope_append", "available", "build", "build_error",
-           "use", "mode", "choose", "choices", "configure", "isa", "gemm_shape"]
+__all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "attention", "prefill_attention",
+           "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
+           "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 
-# The rows the GEMMs take (calibration then decides per row bucket whether they or BLAS run them): the
-# float32 GEMM up to 64 rows (a prefill's few new tokens: 16-64 rows ran 1.1-1.7x faster than torch.mm on
-# SmolLM2's shapes, two Zen 4 cores; BLAS's blocked GEMM wins above), the quantized ones up to 16 (decode)
-MIN_ROWS, MAX_ROWS, GEMM_MAX_ROWS = 1, 16, 64
+# The rows the float32 GEMM takes (calibration then decides per row bucket whether it or BLAS runs them): up
+# to 64 (a prefill's few new tokens: 16-64 rows ran 1.1-1.7x faster than torch.mm on SmolLM2's shapes, two
+# Zen 4 cores; BLAS's blocked GEMM wins above)
+MIN_ROWS, GEMM_MAX_ROWS = 1, 64
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -266,83 +265,6 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
     return True
 
 
-def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                 out: torch.Tensor, accumulate: bool = False) -> bool:
-    """out (+)= x @ W^T for a weight-only quantized W [N, K] (layouts in cpu_qgemm.c): int8 q [N, K] with
-    scale [N, K/32] (zero None), or int4 q uint8 [N, K/2] with scale (d) and zero (m) [N, K/32]; x [M, K] and out
-    [M, N] float32 with contiguous rows, M <= MAX_ROWS. Calibrated against what runs otherwise: the weight
-    de-quantized (`dequantize`) and torch's GEMM (torch's own weight-only kernels measured 20-40x slower than
-    that on AVX2: benchmarks/bench_quantized.py). False (nothing computed) if it cannot run these operands or
-    the other way is the faster here."""
-    m, k = x.shape
-    if not MIN_ROWS <= m <= MAX_ROWS:
-        return False
-    lib = _load()
-    if lib is None:
-        return False
-    n = q.shape[0]
-    int4 = q.dtype == torch.uint8
-    if (x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(1) != 1 or out.stride(1) != 1
-            or out.shape != (m, n) or not _weight_ok(q, scale, zero, k)):
-        return False
-    threads = torch.get_num_threads()
-    if not choose("qgemm_i4" if int4 else "qgemm_i8", (threads, _up(m), _up(k), _up(n)),
-                  lambda: _benches.qgemm(_forced(quantized_mm), dequantize, _up(m), k, n, int4)):
-        return False
-    if int4:
-        lib.lmq_qgemm_i4(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
-                         out.data_ptr(), out.stride(0), m, k, n, int(accumulate), threads)
-        return True
-    lib.lmq_qgemm_i8(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), out.data_ptr(), out.stride(0),
-                     m, k, n, int(accumulate), threads)
-    return True
-
-
-_checked: dict[int, tuple] = {}   # id(q) -> (weakref to q, scale, zero, k, ok); dropped with q
-
-
-def _weight_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
-    """`_quantized_ok`, remembered per weight tensor (a decode step multiplies ~120 fixed weights: their
-    checks took ~5 of the ~20 us of Python a call)."""
-    seen = _checked.get(id(q))
-    if seen is not None and seen[0]() is q and seen[1] is scale and seen[2] is zero and seen[3] == k:
-        return seen[4]
-    ok = _quantized_ok(q, scale, zero, k)
-    key = id(q)
-    _checked[key] = (weakref.ref(q, lambda _, key=key: _checked.pop(key, None)), scale, zero, k, ok)
-    return ok
-
-
-def _quantized_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
-    """Whether (q, scale, zero) is a weight [N, K] in the layout of cpu_qgemm.c (int8 or int4)."""
-    n, groups = q.shape[0], k // 32
-    if k % 32 or not q.is_contiguous() or not scale.is_contiguous() or scale.dtype != torch.float32 \
-            or scale.shape != (n, groups) or scale.device.type != "cpu":
-        return False
-    if q.dtype == torch.uint8:
-        return (zero is not None and q.shape[1] * 2 == k and zero.shape == scale.shape and zero.is_contiguous()
-                and zero.dtype == torch.float32)
-    return zero is None and q.dtype == torch.int8 and q.shape[1] == k
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, out: torch.Tensor) -> bool:
-    """out = W, the weight-only quantized W [N, K] of `quantized_mm` as float32 (out [N, K] contiguous),
-    with the same bits as torch's q * scale and d * q + m (no fused multiply-add). Not calibrated: a copy
-    at memory speed that torch's several passes (unpack, convert, multiply, add) cannot beat."""
-    lib = _load()
-    if lib is None or out.dim() != 2 or not out.is_contiguous() or out.dtype != torch.float32:
-        return False
-    n, k = out.shape
-    if q.shape[0] != n or not _quantized_ok(q, scale, zero, k):
-        return False
-    if zero is None:
-        lib.lmq_dequant_i8(q.data_ptr(), scale.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
-    else:
-        lib.lmq_dequant_i4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, k,
-                           torch.get_num_threads())
-    return True
-
-
 def _rows_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
 
@@ -413,5 +335,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
     return True
 
 
-# The attention ops live in cpu_attention.py (imported last: it reads this module's loader and calibration)
+# The attention and quantized ops live in cpu_attention.py and cpu_quantized.py (imported last: they read this
+# module's loader and calibration)
 from .cpu_attention import HEAD_DIMS as ATTENTION_HEAD_DIMS, attention, prefill_attention  # noqa: E402
+from .cpu_quantized import dequantize, layout_ok as quantized_layout_ok, quantized_mm  # noqa: E402

@@ -53,7 +53,7 @@ class Weight:
             w = self.w_t
             return (w.dtype == torch.float32 and w.device.type == "cpu" and w.shape == (self.k, self.n)
                     and w.stride(1) == 1)
-        return self.q is not None and cpu._quantized_ok(self.q, self.scale, self.zero, self.k) \
+        return self.q is not None and cpu.quantized_layout_ok(self.q, self.scale, self.zero, self.k) \
             and self.q.shape[0] == self.n
 
     def c(self) -> _CWeight:
