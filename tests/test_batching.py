@@ -142,6 +142,35 @@ async def test_failing_and_cancelled_queries_leave_the_batch(make_backend):
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
 
 
+async def test_an_unexpected_step_failure_fails_its_queries_and_the_engine_goes_on(make_backend, monkeypatch):
+    """A prefill or decode step that raises something unforeseen (a bug, a kernel's error) fails the queries
+    in flight with that error, those being prefilled included (they had left the waiting list): none of them
+    waits forever, and the next queries run."""
+    backend = make_backend("llama")
+    items = list(range(4))
+    expected = await reference(make_backend, "llama", items)
+    runner = backend.runner
+    for method in ("prefill", "decode"):
+        real = getattr(runner, method)
+        calls = []
+
+        def broken(*args, real=real, calls=calls, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise TypeError("simulated: a step's unforeseen failure")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(runner, method, broken)
+        q = lmq.Query(SRC, model=backend)
+        results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in items),
+                                                        return_exceptions=True), 60)
+        assert any(isinstance(r, TypeError) for r in results), (method, results)
+        assert all(isinstance(r, TypeError) or r.variables == expected[i] for i, r in enumerate(results))
+        monkeypatch.setattr(runner, method, real)
+        assert [r.variables for r in await asyncio.gather(*(q.run(inputs(i)) for i in items))] == expected
+        assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+
+
 async def test_out_of_memory_splits_the_batch(make_backend, monkeypatch):
     backend = make_backend("llama")
     items = list(range(8))

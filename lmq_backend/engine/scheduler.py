@@ -227,6 +227,9 @@ class Scheduler:
             while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
                 self.pool.remove_row(self.pool.rows - 1)
             if not isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
+                for w in batch:  # taken off `waiting` already: `_fail_all` would not reach them
+                    if not w.future.done():
+                        w.future.set_exception(e)
                 raise
             if len(batch) == 1:
                 if self.rows:  # running rows will leave and free their slots: wait for them
