@@ -6,7 +6,7 @@ re-written as F32 by llama.cpp's own `llama_model_quantize`, so both hold the sa
 on the shipped Q4_1 file. Same threads for both (torch and llama.cpp).
 
 W1 (benchmarks/workloads.py): a ~1,100-token few-shot prefix, a new review, a 3-way choice; a warm-up (lmq:
-every call once and two concurrent runs, so that its CPU kernels' calibration is done; llama.cpp: the first call) warms each side (its prefix computed once and kept: lmq's trie, llama.cpp's KV prefix reuse), then the mean
+every call once, and concurrent runs until two in a row measure no new class of its CPU kernels; llama.cpp: the first call) warms each side (its prefix computed once and kept: lmq's trie, llama.cpp's KV prefix reuse), then the mean
 of the next calls. llama.cpp scores the options from the logits after the prompt (each option's tokens fed
 in turn when it has more than one). W2: the 6-turn chat, each turn's history re-sent (~400-700 tokens) and up
 to `--answer-tokens` greedy tokens; per turn = a chat's time / 6, after a warm-up chat (lmq's trie then
@@ -164,8 +164,8 @@ def compare(pair: str, ours: Lmq, theirs: LlamaCpp, args, shots: str) -> None:
     reviews = W.w1_reviews(args.w1_calls + 1, seed=1)
     for r in reviews:  # lmq: the prefix in the trie and the CPU kernels' calibration of every class met
         ours.w1(shots, r)
-    for seed in (50, 51):  # the batch shapes of concurrent calls vary from run to run: two runs meet most
-        ours.w1_concurrent(shots, W.w1_reviews(args.w1_calls, seed=seed))
+    seeds = iter(range(50, 100))  # concurrent runs meet batch shapes (kernel classes) a few at a time
+    W.until_calibrated(lambda: ours.w1_concurrent(shots, W.w1_reviews(args.w1_calls, seed=next(seeds))))
     ours.w2()
     theirs.w1(prompt(reviews[0]), W.W1_OPTIONS)
     theirs.w2(W.W2_TURNS, args.answer_tokens)

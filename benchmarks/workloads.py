@@ -110,3 +110,21 @@ def plain_model(model):
             p.data = p.data.contiguous()
     plain.set_attn_implementation("sdpa")
     return plain.eval()
+
+
+def until_calibrated(run, quiet: int = 2, most: int = 12) -> int:
+    """Call `run()` until `quiet` calls in a row measure no new class of lmq's CPU kernels
+    (`lmq_kernels.cpu.choices()`: the classes measured or loaded so far), at most `most` times; returns the
+    calls made. A benchmark's warm-up: on a machine's first run, concurrent calls meet their batch sizes (the
+    kernels' row classes) a few at a time, and one or two warm-up runs left measurements inside the timed
+    rounds. On a GPU, `quiet` calls."""
+    from lmq_kernels import cpu
+
+    still = 0
+    for calls in range(1, most + 1):
+        before = len(cpu.choices())
+        run()
+        still = still + 1 if len(cpu.choices()) == before else 0
+        if still >= quiet:
+            return calls
+    return most
