@@ -142,33 +142,57 @@ async def test_failing_and_cancelled_queries_leave_the_batch(make_backend):
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
 
 
-async def test_an_unexpected_step_failure_fails_its_queries_and_the_engine_goes_on(make_backend, monkeypatch):
-    """A prefill or decode step that raises something unforeseen (a bug, a kernel's error) fails the queries
-    in flight with that error, those being prefilled included (they had left the waiting list): none of them
-    waits forever, and the next queries run."""
+async def test_a_prefill_failure_fails_only_the_query_it_comes_from(make_backend, monkeypatch):
+    """A prefill that raises something unforeseen (a bug, a kernel's error: here, whenever one query's rows are in
+    it) is split down to that query, which gets the error; the queries batched with it, and the next ones, run.
+    None waits forever (the queries a failing step was prefilling had left the waiting list)."""
+    backend = make_backend("llama")
+    items = list(range(6))
+    expected = await reference(make_backend, "llama", items)
+    runner = backend.runner
+    real = runner.prefill
+    shared = backend.vocab.encode("Shared instructions for every call.")
+    bad = backend.vocab.encode("Shared instructions for every call. " + inputs(3)["x"])[len(shared):][:4]  # query 3's
+    failed = []
+
+    def broken(pool, rows):
+        for row in rows:
+            ids = list(row.ids)
+            if any(ids[i:i + len(bad)] == bad for i in range(len(ids))):
+                failed.append(len(rows))
+                raise TypeError("simulated: a prefill's unforeseen failure")
+        return real(pool, rows)
+
+    monkeypatch.setattr(runner, "prefill", broken)
+    q = lmq.Query(SRC, model=backend)
+    results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in items), return_exceptions=True), 60)
+    assert isinstance(results[3], TypeError) and max(failed) > 1 and failed[-1] == 1   # batched, then alone
+    assert [r.variables for i, r in enumerate(results) if i != 3] == [e for i, e in enumerate(expected) if i != 3]
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+
+
+async def test_a_decode_step_failure_fails_its_queries_and_the_engine_goes_on(make_backend, monkeypatch):
+    """A decode step that raises something unforeseen fails the queries in it (one forward for all its rows),
+    and the next queries run."""
     backend = make_backend("llama")
     items = list(range(4))
     expected = await reference(make_backend, "llama", items)
     runner = backend.runner
-    for method in ("prefill", "decode"):
-        real = getattr(runner, method)
-        calls = []
+    real, calls = runner.decode, []
 
-        def broken(*args, real=real, calls=calls, **kwargs):
-            calls.append(1)
-            if len(calls) == 1:
-                raise TypeError("simulated: a step's unforeseen failure")
-            return real(*args, **kwargs)
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TypeError("simulated: a step's unforeseen failure")
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(runner, method, broken)
-        q = lmq.Query(SRC, model=backend)
-        results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in items),
-                                                        return_exceptions=True), 60)
-        assert any(isinstance(r, TypeError) for r in results), (method, results)
-        assert all(isinstance(r, TypeError) or r.variables == expected[i] for i, r in enumerate(results))
-        monkeypatch.setattr(runner, method, real)
-        assert [r.variables for r in await asyncio.gather(*(q.run(inputs(i)) for i in items))] == expected
-        assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    monkeypatch.setattr(runner, "decode", broken)
+    q = lmq.Query(SRC, model=backend)
+    results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in items), return_exceptions=True), 60)
+    assert any(isinstance(r, TypeError) for r in results)
+    assert all(isinstance(r, TypeError) or r.variables == expected[i] for i, r in enumerate(results))
+    assert [r.variables for r in await asyncio.gather(*(q.run(inputs(i)) for i in items))] == expected
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
 
 
 async def test_out_of_memory_splits_the_batch(make_backend, monkeypatch):

@@ -16,7 +16,8 @@ part is computed once and then found in the trie; prefills are admitted while th
 (`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows
 to grow (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
 out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
-does not fit waits for running rows to leave. When the running rows' next decode columns need more slots
+does not fit waits for running rows to leave. Any other failure of a prefill splits it too, down to the
+query whose prefill fails alone: that query gets the error, the others run. When the running rows' next decode columns need more slots
 than the store can give, the rows that joined last are preempted (vLLM's recompute preemption): they
 leave the batch, their queries get `Preempted` and prefill their tokens again, from the trie where it
 still holds them, and go on.
@@ -226,22 +227,25 @@ class Scheduler:
         except BaseException as e:
             while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
                 self.pool.remove_row(self.pool.rows - 1)
-            if not isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
+            if not isinstance(e, Exception):  # (the scheduler itself is stopping)
                 for w in batch:  # taken off `waiting` already: `_fail_all` would not reach them
                     if not w.future.done():
                         w.future.set_exception(e)
                 raise
-            if len(batch) == 1:
-                if self.rows:  # running rows will leave and free their slots: wait for them
-                    self.waiting.append(Waiting(batch[0].request, batch[0].future))
-                    return
-                what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
-                batch[0].future.set_exception(LMQBackendError(
-                    f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
+            if len(batch) > 1:  # out of memory, or a failure one query's rows may cause: halves, retried
+                half = len(batch) // 2
+                await self._prefill(batch[:half])
+                await self._prefill(batch[half:])
                 return
-            half = len(batch) // 2
-            await self._prefill(batch[:half])
-            await self._prefill(batch[half:])
+            if not isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
+                batch[0].future.set_exception(e)  # its own prefill fails alone: that query gets the error
+                return
+            if self.rows:  # running rows will leave and free their slots: wait for them
+                self.waiting.append(Waiting(batch[0].request, batch[0].future))
+                return
+            what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
+            batch[0].future.set_exception(LMQBackendError(
+                f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
             return
         await self._device_done()
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
