@@ -94,7 +94,7 @@ class HoleState:
         if not 0 <= token_id < len(special) or special[token_id]:
             raise LMQRuntimeError(f"token {token_id} cannot be part of a value (special or out of range)")
         ctx = self.ctx
-        value = ctx.value
+        value = ctx.value  # a bytearray: += below extends ctx.value itself
         old_len = len(value)
         value += hc.vocab.token_bytes[token_id]
         ctx.ends.append(len(value))
