@@ -6,6 +6,7 @@ a hole of up to 16 free tokens. All N calls run at once (`asyncio.gather`), afte
 
     GPU: python benchmarks/bench_concurrency.py --tokenizer DIR --shape llama-1b --n 64 256 1024
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 4096 --kv-budget 8GB
+         python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample    (sampled, T = 0.8)
     CPU: python benchmarks/bench_concurrency.py --device cpu --n 16 128      (the default model, float32)
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ import workloads as W  # noqa: E402
 
 import lmq_backend as lmq  # noqa: E402
 
-QUERY = '''argmax
-    "{shots}Review: {review}\\nSummary:[S]" where len(TOKENS(S)) < 17
+QUERY = '''{decoder}
+    "{{shots}}Review: {{review}}\\nSummary:[S]" where len(TOKENS(S)) < 17
 '''
 
 
@@ -52,8 +53,9 @@ async def run_n(query, shots: str, texts: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int) -> float:
-    """Plain transformers: left-padded batches of `chunk` prompts, 16 new tokens each (greedy)."""
+def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample: bool = False) -> float:
+    """Plain transformers: left-padded batches of `chunk` prompts, 16 new tokens each (greedy, or sampled at
+    temperature 0.8)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -61,7 +63,8 @@ def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int) -> flo
     for i in range(0, len(prompts), chunk):
         enc = tokenizer(prompts[i:i + chunk], return_tensors="pt", padding=True).to(device)
         with torch.no_grad():
-            model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            model.generate(**enc, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
+                           **(dict(do_sample=True, temperature=0.8, top_k=0) if sample else dict(do_sample=False)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--hf", action="store_true", help="also time HF generate on the same texts")
     ap.add_argument("--hf-chunk", type=int, default=256)
+    ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,11 +101,11 @@ def main() -> None:
     backend = lmq.HFBackend.from_model(model, tokenizer, cache_budget="40GB", name=name, max_batch=args.max_batch,
                                        kv_budget=args.kv_budget)
     lmq.register_backend("bench", backend)
-    query = lmq.compile(QUERY + 'from "bench"\n')
+    query = lmq.compile(QUERY.format(decoder="sample(temperature=0.8)" if args.sample else "argmax") + 'from "bench"\n')
     shots = W.w1_shots(40)
     store = backend.store
     per_token = store.bytes_per_token
-    print(f"# {name} on {device}, max_batch {args.max_batch}, store {store.capacity * per_token / 1e9:.1f} GB "
+    print(f"# {name} on {device}, {'sampled' if args.sample else 'greedy'}, max_batch {args.max_batch}, store {store.capacity * per_token / 1e9:.1f} GB "
           f"({store.capacity} slots)")
     print("| N | time | queries/s | K/V at peak | K/V of unique tokens | ratio | HF generate q/s | RSS growth |")
     print("|---|---|---|---|---|---|---|---|")
@@ -122,7 +126,7 @@ def main() -> None:
         hf = ""
         if args.hf:
             prompts = [f"{shots}Review: {r}\nSummary:" for r in texts]
-            hf = f"{n / hf_generate(plain, tokenizer, prompts, device, args.hf_chunk):.0f}"
+            hf = f"{n / hf_generate(plain, tokenizer, prompts, device, args.hf_chunk, args.sample):.0f}"
         print(f"| {n} | {seconds:.2f} s | {n / seconds:.0f} | {peak / 1e9:.3f} GB | {unique / 1e9:.3f} GB | "
               f"{peak / unique:.2f} | {hf} | {rss_gb() - rss0:.2f} GB |", flush=True)
     s = backend.stats()

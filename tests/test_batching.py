@@ -71,6 +71,30 @@ async def test_sample_n_runs_as_rows_sharing_the_prefix(make_backend):
     assert [r.variables for r in again] == [r.variables for r in results]
 
 
+async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkeypatch):
+    """Sampling rows are picked by one `ModelRunner.sample` a step (prefills and decode steps alike), never
+    one `Sampling.select` a row; each row's values are what it draws alone (seeded, float32)."""
+    from lmq_backend.engine.runner import ModelRunner
+    from lmq_backend.runtime.decoders import Sampling
+
+    backend = make_backend("llama")
+    q = lmq.compile('sample(n=3, temperature=0.9, seed=11)\n    "Say something about {x}:[X]" where len(TOKENS(X)) < 5',
+                    model=backend)
+    alone = {x: [r.variables for r in await q(x=x)] for x in ("cats", "dogs", "rain", "tea")}
+    calls = []
+    real = ModelRunner.sample
+
+    def spy(logits, draws):
+        calls.append(len(draws))
+        return real(logits, draws)
+
+    monkeypatch.setattr(ModelRunner, "sample", staticmethod(spy))
+    monkeypatch.setattr(Sampling, "select", lambda *a: pytest.fail("a sampled pick made a row at a time"))
+    together = await asyncio.gather(*(q(x=x) for x in alone))
+    assert {x: [r.variables for r in rs] for x, rs in zip(alone, together)} == alone
+    assert sum(calls) == 12 * 4 and max(calls) > 3  # 12 rows x 4 picks (the prefill's and three steps')
+
+
 async def test_shared_new_prefix_is_prefilled_once(make_backend):
     backend = make_backend("llama")
     shots = "Example: the quick brown fox jumps over the lazy dog.\n" * 6

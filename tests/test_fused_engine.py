@@ -86,3 +86,36 @@ async def test_run_ahead_steps_change_no_token(tokenizer):
     decoder = ahead.runner._decoder[0]
     assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2
     assert plain.runner._decoder[0].ran_ahead == 0
+
+
+SAMPLED = '''sample(n=3, temperature=0.9, seed=5)
+"Tell me about {x}:[A]" where len(TOKENS(A)) < 10
+" so[B]" where B in [" yes", " no"]
+'''
+GREEDY = '"Tell me about {x}:[A]" where len(TOKENS(A)) < 14'
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokenizer, device):
+    """Seeded sampling rows and greedy rows (which run steps ahead on the device while they are alone) in
+    one batch, float32: every query gets the values it gets alone; the steps sampled their rows together.
+    (No top_p here: a random model's flat distribution puts thousands of near-ties at a nucleus's edge, where
+    the last bits of a logit, which the cache may change, decide which tokens are in it.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=256,
+                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    backend = lmq.HFBackend.from_model(LlamaForCausalLM(config).to(device).eval(), tokenizer, name="mixed")
+    assert backend.runner.fused
+    sampled, greedy = lmq.Query(SAMPLED, model=backend), lmq.Query(GREEDY, model=backend)
+    words = ["cats", "the sea", "old maps", "tea"]
+    alone = [[r.variables for r in await sampled.run({"x": w})] for w in words]
+    alone += [(await greedy.run({"x": w})).variables for w in words]
+    steps = []
+    backend.on_step(steps.append)
+    together = await asyncio.gather(*(sampled.run({"x": w}) for w in words), *(greedy.run({"x": w}) for w in words))
+    assert [[r.variables for r in rs] for rs in together[:4]] + [r.variables for r in together[4:]] == alone
+    assert len({tuple(r.variables.items()) for rs in together[:4] for r in rs}) > 4  # the draws differ
+    assert max(s.batch_size for s in steps if s.kind == "decode") > 8

@@ -1,11 +1,13 @@
 """`masked_argmax`, the one greedy pick of the runtime (`Greedy`), the runner's prefill picks and the fused
-step's device picks: the first maximal allowed logit, alone or broadcast over masks and rows."""
+step's device picks: the first maximal allowed logit, alone or broadcast over masks and rows. `sample`, the one
+sampled pick (`Sampling` and the steps that sample all their rows at once): a row's token is its own, whatever
+rows share the call."""
 from __future__ import annotations
 
 import torch
 
-from lmq_backend.engine.picks import masked_argmax
-from lmq_backend.runtime.decoders import Greedy
+from lmq_backend.engine.picks import Draw, masked_argmax, sample
+from lmq_backend.runtime.decoders import Greedy, Sampling
 
 
 def test_ties_go_to_the_first_maximal_allowed_logit():
@@ -26,3 +28,37 @@ def test_masks_by_rows_is_each_pick_alone():
         for b in range(5):
             assert int(table[k, b]) == Greedy().select(logits[b], masks[k])
             assert int(table[k, b]) == int(torch.where(masks[k], logits[b], float("-inf")).argmax())
+
+
+def test_a_rows_sample_does_not_depend_on_the_rows_beside_it():
+    """Rows with other temperatures, nuclei, masks (or none) and greedy rows in one call: each row's token is
+    the one it gets alone, and `Sampling.select` (one row) is the same function of the same draw."""
+    gen = torch.Generator().manual_seed(1)
+    v = 300
+    logits = torch.randn(24, v, generator=gen) * 3
+    masks = [None, torch.rand(v, generator=gen) < 0.3, torch.rand(v, generator=gen) < 0.05]
+    draws = [Draw(temperature=[1.0, 0.7, 0.0, 2.0][i % 4], top_p=[1.0, 0.9, 0.5][i % 3],
+                  u=float(torch.rand((), generator=gen)), allowed=masks[i % 3]) for i in range(24)]
+    together = sample(logits, draws)
+    alone = [int(sample(logits[i:i + 1], [d])[0]) for i, d in enumerate(draws)]
+    assert together.tolist() == alone
+    for i, d in enumerate(draws):
+        if d.allowed is not None:
+            assert d.allowed[alone[i]]
+        if d.temperature == 0:
+            assert alone[i] == Greedy().select(logits[i], d.allowed)
+    # the same draw from a seeded sampler gives its select's token
+    a, b = Sampling(0.8, 0.95, seed=7), Sampling(0.8, 0.95, seed=7)
+    for i in range(10):
+        assert a.select(logits[i], masks[1]) == int(sample(logits[i:i + 1], [b.draw(masks[1])])[0])
+
+
+def test_the_draw_inverts_the_cumulative_distribution():
+    """u picks the first token whose cumulative mass passes u (tokens without mass are never picked, not
+    even at u just below 1)."""
+    logits = torch.log(torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0]]))
+    for u, want in [(0.0, 0), (0.49, 0), (0.5, 2), (0.74, 2), (0.76, 3), (1 - 2 ** -24, 3)]:
+        assert int(sample(logits, [Draw(1.0, 1.0, u)])[0]) == want, u
+    # a nucleus of 0.6: the two most probable tokens (0.5, then one of the 0.25s), renormalised to 2/3, 1/3
+    picks = [int(sample(logits, [Draw(1.0, 0.6, u)])[0]) for u in (0.6, 0.7, 0.99)]
+    assert picks[0] == 0 and picks[1] == picks[2] in (2, 3)

@@ -22,10 +22,11 @@ import torch
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.quantize import QUANTIZED_DTYPES
+from ..engine.picks import Draw
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
-from ..runtime.decoders import DEFAULT_MAX_LEN, Greedy, Sampler
+from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
 from .hole_loop import HoleLoop
 from .protocol import Backend, NextTokens, Sequence
@@ -179,8 +180,8 @@ class HFBackend(Backend):
             self._check_length(seq, len(seq.ids))
 
     async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
-        logits, row = await self.scheduler.prefill(_Prefill(self, seq))
-        hole = HoleLoop(self, seq, state, sampler, row)
+        hole = HoleLoop(self, seq, state, sampler)
+        logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, draw=hole.draw))
         try:
             step = hole.start(logits)
             while step is not None:  # the scheduler runs the hole's steps (`HoleLoop.feed`) until it is done
@@ -188,7 +189,8 @@ class HFBackend(Backend):
                     await self.scheduler.decode(hole.row, *step, then=hole.feed)
                     step = None
                 except Preempted:  # out of the batch to free slots: prefill the tokens so far again
-                    logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, hole.generated), first=True)
+                    logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, hole.generated, draw=hole.draw),
+                                                                    first=True)
                     step = hole.resume(logits)
             prompt_len = hole.prompt_len
             value, value_ids, computed = hole.value(self.scheduler.pool.length(hole.row.slot) - prompt_len)
@@ -333,16 +335,18 @@ class HFBackend(Backend):
 class _Prefill:
     """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
 
-    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = (), store_all: bool = False):
+    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = (), store_all: bool = False,
+                 draw: Draw | None = None):
         """`resume`: tokens generated after `seq.ids` by a row that was preempted; they are prefilled too,
         but only the prompt's new part is stored in the trie (as when the row first ran), unless `store_all`
-        (a beam's tokens: the next step and the beam's forks read them from the trie)."""
+        (a beam's tokens: the next step and the beam's forks read them from the trie). `draw`: the sampled
+        pick to make from the logits (the step samples its rows' draws at once)."""
         ids = seq.ids + list(resume) if resume else seq.ids
         self.prompt_len = len(ids) if store_all else len(seq.ids)
         if not ids:
             raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
         backend._check_length(seq, len(ids))
-        self.backend, self.seq, self.ids = backend, seq, ids
+        self.backend, self.seq, self.ids, self.draw = backend, seq, ids, draw
         self.node: TrieNode | None = None
         self.cached = 0
 

@@ -1,6 +1,10 @@
-"""The greedy pick under a token mask, shared by the runtime's `Greedy` decoder, the runner's prefill picks
-and the fused step's device picks, so that all three pick the same token."""
+"""The picks from a row's logits. `masked_argmax`: the greedy pick under a token mask, shared by the runtime's
+`Greedy` decoder, the runner's prefill picks and the fused step's device picks, so that all three pick the same
+token. `sample`: the sampled picks of `Draw`s, shared by the `Sampling` decoder and the decode steps, which
+sample all their sampling rows at once."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,3 +20,81 @@ def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.T
         allowed = allowed.to(logits.device, non_blocking=logits.device.type == "cuda")
         logits = torch.where(allowed, logits, float("-inf"))
     return logits.argmax(-1)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Draw:
+    """One sampled pick, settled before its logits exist: a token of softmax(logits / temperature) over the
+    `allowed` tokens (bool [V], None: every token), cut to the smallest set of most probable tokens whose
+    mass reaches `top_p`, chosen by inverting the cumulative distribution at `u` (uniform in [0, 1), from
+    the sampler's own generator). Temperature 0 is the greedy pick. The token depends on the row's logits
+    and its draw alone, so a decode step samples all its rows at once (`sample`)."""
+
+    temperature: float
+    top_p: float
+    u: float
+    allowed: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row):
+    one softmax, one cumulative sum, one search. Returns [R] int64 on the logits' device. A row's token is
+    the same whatever rows share the call (each row's arithmetic is its own; the rows that cut a nucleus
+    are sorted apart from those that do not)."""
+    device, r = logits.device, logits.shape[0]
+    z = _masked(logits.float(), [d.allowed for d in draws])
+    t = [d.temperature if d.temperature > 0 else 1.0 for d in draws]
+    if len(set(t)) > 1:
+        probs = torch.softmax(z / _column(t, device), dim=-1)
+    else:  # one temperature for all rows: the same division of each logit, without a column of it
+        probs = torch.softmax(z if t[0] == 1.0 else z / t[0], dim=-1)
+    picks = torch.empty(r, dtype=torch.long, device=device)
+    nucleus = [i for i, d in enumerate(draws) if d.top_p < 1]
+    plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
+    for rows in (plain, nucleus):
+        if not rows:
+            continue
+        every = len(rows) == r
+        idx = None if every else torch.tensor(rows, device=device)
+        p = probs if every else probs[idx]
+        if rows is nucleus:  # the most probable tokens, in the vocabulary's order (as cut, not as sorted: a
+            # near-tie of two tokens' last bits must not reorder what u selects)
+            ranked, order = p.sort(dim=-1, descending=True)
+            keep = ranked.cumsum(-1) - ranked < _column([draws[i].top_p for i in rows], device)
+            p = p * torch.zeros_like(keep).scatter_(1, order, keep)
+        cdf = p.cumsum_(-1)
+        total = cdf[:, -1:].contiguous()
+        # the first token whose cumulative mass passes u * total; never past the last token with mass
+        # (u * total may round up to total)
+        pick = torch.minimum(torch.searchsorted(cdf, _column([draws[i].u for i in rows], device) * total, right=True),
+                             torch.searchsorted(cdf, total))[:, 0]
+        if every:
+            picks = pick
+        else:
+            picks[idx] = pick
+    greedy = [i for i, d in enumerate(draws) if d.temperature <= 0]
+    if greedy:
+        idx = torch.tensor(greedy, device=device)
+        picks[idx] = z[idx].argmax(-1)
+    return picks
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _masked(z: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """z [R, V] with -inf where row i's mask (bool [V], None: every token) is False."""
+    index: dict[int, int] = {}
+    unique: list[torch.Tensor | None] = []
+    for m in masks:
+        if id(m) not in index:
+            index[id(m)] = len(unique)
+            unique.append(m)
+    if all(m is None for m in unique):
+        return z
+    on = [torch.ones(z.shape[1], dtype=torch.bool, device=z.device) if m is None
+          else m.to(z.device, non_blocking=True) for m in unique]
+    allowed = on[0][None] if len(on) == 1 else \
+        torch.stack(on)[torch.tensor([index[id(m)] for m in masks], device=z.device)]
+    return torch.where(allowed, z, float("-inf"))

@@ -36,6 +36,7 @@ from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
 from . import admission
 from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
+from .picks import Draw
 from .runner import ModelRunner
 
 
@@ -55,13 +56,17 @@ class Row:
     # After a prefill, or a fused decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the
     # row's logits under the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`).
     device_picks: tuple | None = None
+    drawn: int | None = None  # after a decode step: its sample of the row's draw (see `device_pick`)
 
-    def device_pick(self, mask: int) -> int | None:
-        """The device's greedy pick for the row's last logits under greedy mask `mask`, if it made one."""
+    def device_pick(self, ahead: int | Draw) -> int | None:
+        """The step's pick for the row's last logits, if it made one: under the runner's greedy mask `ahead`
+        (an int), or the sample of the row's draw (a `Draw`, the one the row gave the step)."""
+        if isinstance(ahead, Draw):
+            return self.drawn
         if self.device_picks is None:
             return None
         picks, i = self.device_picks
-        return picks(mask, i)
+        return picks(ahead, i)
 
 
 @dataclass
@@ -75,7 +80,8 @@ class Scheduler:
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[Waiting] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)            # by slot
-    # id(row) -> (token, the greedy mask its next pick will likely use or None, future, continuation or None)
+    # id(row) -> (token, how the step may pick the row's next token: a greedy mask (int), a sampling draw or
+    # None, future, continuation or None)
     decodes: dict[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -251,8 +257,9 @@ class Scheduler:
         self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                      sum(w.row.cached for w in batch), started)
         picks = self.runner.picks
-        rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i))
-                for i, slot in enumerate(slots)]
+        drawn = self._samples(logits, [w.request.draw for w in batch])
+        rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
+                    drawn=drawn.get(i)) for i, slot in enumerate(slots)]
         self._joined += len(rows)
         self.rows.extend(rows)
         for row in rows:  # the runner may give the new rows their slots in another order
@@ -276,9 +283,9 @@ class Scheduler:
         rows = list(self.rows)
         work = [self.decodes[id(row)] for row in rows]
         tokens = [w[0] for w in work]
-        ahead = [w[1] for w in work]
+        ahead = [None if isinstance(w[1], Draw) else w[1] for w in work]  # the runner's greedy masks
         # the logits go to the host only for a row that may not pick on the device, or returns them
-        want = any(a is None or then is None for _, a, _, then in work)
+        want = any(a is None or w[3] is None for a, w in zip(ahead, work))
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
@@ -286,9 +293,10 @@ class Scheduler:
         self.pool.end += 1
         self.decodes = {}
         await self._device_done()
+        drawn = self._samples(logits, [w[1] for w in work])
         self._report("decode", len(tokens), len(tokens), cached, started)
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
-            row.device_picks = None if picks is None else (picks, i)
+            row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
             if future.done():  # cancelled
                 continue
             if then is not None:
@@ -301,6 +309,11 @@ class Scheduler:
                     self.decodes[id(row)] = (*step, future, then)
                     continue
             future.set_result(None if logits is None else logits[i])
+
+    def _samples(self, logits: torch.Tensor, ahead: list) -> dict[int, int]:
+        """The step's samples of the rows that gave it a draw (`Draw` in `ahead`), by row: all at once."""
+        draws = [(i, a) for i, a in enumerate(ahead) if isinstance(a, Draw)]
+        return dict(zip((i for i, _ in draws), self.runner.sample(logits, draws))) if draws else {}
 
     def _preempt(self, width: int) -> None:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next

@@ -1,10 +1,10 @@
 """Decoders: how a token is picked from the logits of one row, among the tokens its constraint allows.
 
 `argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
-per-result generator, so a seeded run repeats whatever else shares its batch. The beam decoders
-`beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best tokens by the sum of their
-log-probabilities over the whole query, and return the n best results; `best_k(k=4, budget=30, ...)` is
-LMQL's best-first search (runtime/beam.py says exactly how).
+per-result generator (one uniform a pick: `engine.picks.Draw`), so a seeded run repeats whatever else shares
+its batch. The beam decoders `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best
+tokens by the sum of their log-probabilities over the whole query, and return the n best results;
+`best_k(k=4, budget=30, ...)` is LMQL's best-first search (runtime/beam.py says exactly how).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.picks import masked_argmax
+from ..engine.picks import Draw, masked_argmax, sample
 from ..errors import LMQCompileError, LMQNotSupportedError
 from ..language.checks import DECODER_ARGS
 
@@ -41,18 +41,13 @@ class Sampling(Sampler):
         else:
             self.generator.manual_seed(seed)
 
+    def draw(self, allowed: torch.Tensor | None) -> Draw:
+        """The next pick's draw (one uniform from the generator), before its logits exist: a decode step
+        samples the rows of all its queries' draws at once (`engine.picks.sample`)."""
+        return Draw(self.temperature, self.top_p, float(torch.rand((), generator=self.generator)), allowed)
+
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        logits = logits.float().cpu()
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed.cpu(), float("-inf"))
-        if self.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(sample(logits[None], [self.draw(allowed)])[0])
 
 
 @dataclass(frozen=True, slots=True)
