@@ -43,11 +43,9 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     are sorted apart from those that do not)."""
     device, r = logits.device, logits.shape[0]
     z = _masked(logits.float(), [d.allowed for d in draws])
-    t = [d.temperature if d.temperature > 0 else 1.0 for d in draws]
-    if len(set(t)) > 1:
-        probs = torch.softmax(z / _column(t, device), dim=-1)
-    else:  # one temperature for all rows: the same division of each logit, without a column of it
-        probs = torch.softmax(z if t[0] == 1.0 else z / t[0], dim=-1)
+    # a column of temperatures even where all rows share one (on a GPU, torch divides by a host scalar as
+    # a multiplication by its reciprocal: other bits)
+    probs = torch.softmax(z / _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device), dim=-1)
     picks = torch.empty(r, dtype=torch.long, device=device)
     nucleus = [i for i, d in enumerate(draws) if d.top_p < 1]
     plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
