@@ -84,11 +84,11 @@ async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkey
     calls = []
     real = ModelRunner.sample
 
-    def spy(logits, draws):
+    def spy(self, logits, draws):
         calls.append(len(draws))
-        return real(logits, draws)
+        return real(self, logits, draws)
 
-    monkeypatch.setattr(ModelRunner, "sample", staticmethod(spy))
+    monkeypatch.setattr(ModelRunner, "sample", spy)
     monkeypatch.setattr(Sampling, "select", lambda *a: pytest.fail("a sampled pick made a row at a time"))
     together = await asyncio.gather(*(q(x=x) for x in alone))
     assert {x: [r.variables for r in rs] for x, rs in zip(alone, together)} == alone
@@ -217,6 +217,31 @@ async def test_a_decode_step_failure_fails_its_queries_and_the_engine_goes_on(ma
     assert all(isinstance(r, TypeError) or r.variables == expected[i] for i, r in enumerate(results))
     assert [r.variables for r in await asyncio.gather(*(q.run(inputs(i)) for i in items))] == expected
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+async def test_a_failure_after_a_step_ran_fails_its_queries_and_the_engine_goes_on(make_backend, kind):
+    """What a step does after the device ran it (its samples, the on_step callback) may fail too: that
+    step's queries get the error (none waits forever), the pool and the trie are left clean, the next
+    queries run."""
+    backend = make_backend("llama")
+    items = list(range(4))
+    expected = await reference(make_backend, "llama", items)
+    failed = []
+
+    def callback(step):
+        if step.kind == kind and not failed:
+            failed.append(step)
+            raise RuntimeError("simulated: a failing on_step callback")
+
+    backend.on_step(callback)
+    q = lmq.Query(SRC, model=backend)
+    results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in items), return_exceptions=True), 60)
+    assert failed and any(isinstance(r, RuntimeError) for r in results)
+    assert all(isinstance(r, RuntimeError) or r.variables == expected[i] for i, r in enumerate(results))
+    assert [r.variables for r in await asyncio.gather(*(q.run(inputs(i)) for i in items))] == expected
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    backend.trie.check()
 
 
 async def test_out_of_memory_splits_the_batch(make_backend, monkeypatch):

@@ -119,3 +119,33 @@ async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokeniz
     assert [[r.variables for r in rs] for rs in together[:4]] + [r.variables for r in together[4:]] == alone
     assert len({tuple(r.variables.items()) for rs in together[:4] for r in rs}) > 4  # the draws differ
     assert max(s.batch_size for s in steps if s.kind == "decode") > 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
+    """On a GPU, a step samples its rows on the device too (under the device's masks, without a nucleus)
+    and runs the next step ahead on those samples, at each row's next uniform. Against a backend whose
+    device makes no picks (the host samples every row from the logits): the same values, float32, for
+    sampled and greedy queries arriving at different steps; most steps were taken from a run-ahead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=256,
+                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    model = LlamaForCausalLM(config).cuda().eval()
+    ahead = lmq.HFBackend.from_model(model, tokenizer, name="ahead")
+    plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
+    plain.runner.set_greedy_masks(None)
+    src = 'sample(n=2, temperature=0.7, seed=3)\n"Once upon a time, {x}[A]" where len(TOKENS(A)) < 20\n'
+
+    async def late(backend, i):
+        await asyncio.sleep(0.002 * (i % 3))  # arrive at different steps
+        if i % 4 == 3:
+            return (await lmq.Query(GREEDY, model=backend).run({"x": "word " * i})).variables
+        return [r.variables for r in await lmq.Query(src, model=backend).run({"x": "word " * i})]
+
+    want = await asyncio.gather(*(late(plain, i) for i in range(8)))
+    assert await asyncio.gather(*(late(ahead, i) for i in range(8))) == want
+    decoder = ahead.runner._decoder[0]
+    assert any(sampling for _, _, sampling in decoder.graphs)
+    assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2

@@ -28,53 +28,57 @@ class Draw:
     `allowed` tokens (bool [V], None: every token), cut to the smallest set of most probable tokens whose
     mass reaches `top_p`, chosen by inverting the cumulative distribution at `u` (uniform in [0, 1), from
     the sampler's own generator). Temperature 0 is the greedy pick. The token depends on the row's logits
-    and its draw alone, so a decode step samples all its rows at once (`sample`)."""
+    and its draw alone, so a decode step samples all its rows at once (`sample`). `after`: the u of the
+    sampler's next draw (a GPU step run ahead samples with it), or None."""
 
     temperature: float
     top_p: float
     u: float
     allowed: torch.Tensor | None = None
+    after: float | None = None
 
 
 def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row):
-    one softmax, one cumulative sum, one search. Returns [R] int64 on the logits' device. A row's token is
-    the same whatever rows share the call (each row's arithmetic is its own; the rows that cut a nucleus
-    are sorted apart from those that do not)."""
+    one softmax, one cumulative sum, one search (`inverse_cdf`). Returns [R] int64 on the logits' device. A
+    row's token is the same whatever rows share the call (each row's arithmetic is its own; the rows that
+    cut a nucleus are sorted apart from those that do not)."""
     device, r = logits.device, logits.shape[0]
     z = _masked(logits.float(), [d.allowed for d in draws])
-    # a column of temperatures even where all rows share one (on a GPU, torch divides by a host scalar as
-    # a multiplication by its reciprocal: other bits)
-    probs = torch.softmax(z / _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device), dim=-1)
-    picks = torch.empty(r, dtype=torch.long, device=device)
+    temperature = _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device)
+    u = _column([d.u for d in draws], device)
     nucleus = [i for i, d in enumerate(draws) if d.top_p < 1]
-    plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
-    for rows in (plain, nucleus):
-        if not rows:
-            continue
-        every = len(rows) == r
-        idx = None if every else torch.tensor(rows, device=device)
-        p = probs if every else probs[idx]
-        if rows is nucleus:  # the most probable tokens, in the vocabulary's order (as cut, not as sorted: a
-            # near-tie of two tokens' last bits must not reorder what u selects)
-            ranked, order = p.sort(dim=-1, descending=True)
-            keep = ranked.cumsum(-1) - ranked < _column([draws[i].top_p for i in rows], device)
-            p = p * torch.zeros_like(keep).scatter_(1, order, keep)
-        cdf = p.cumsum_(-1)
-        total = cdf[:, -1:].contiguous()
-        # the first token whose cumulative mass passes u * total; never past the last token with mass
-        # (u * total may round up to total)
-        pick = torch.minimum(torch.searchsorted(cdf, _column([draws[i].u for i in rows], device) * total, right=True),
-                             torch.searchsorted(cdf, total))[:, 0]
-        if every:
-            picks = pick
-        else:
-            picks[idx] = pick
+    if not nucleus:
+        picks = inverse_cdf(z, temperature, u)
+    else:
+        picks = torch.empty(r, dtype=torch.long, device=device)
+        plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
+        for rows, top_p in ((plain, None), (nucleus, _column([draws[i].top_p for i in nucleus], device))):
+            if rows:
+                idx = torch.tensor(rows, device=device)
+                picks[idx] = inverse_cdf(z[idx], temperature[idx], u[idx], top_p)
     greedy = [i for i, d in enumerate(draws) if d.temperature <= 0]
     if greedy:
         idx = torch.tensor(greedy, device=device)
         picks[idx] = z[idx].argmax(-1)
     return picks
+
+
+def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of the masked logits z [R, V] (float32), the token of softmax(z / temperature), cut to the
+    top_p nucleus, at which the cumulative mass passes u times the whole (temperature, u, top_p: float32
+    [R, 1]). `sample`'s arithmetic, and a CUDA-graph step's (`fused/graphs.py`), so that both pick alike."""
+    p = torch.softmax(z / temperature, dim=-1)
+    if top_p is not None:  # the most probable tokens, kept in the vocabulary's order (as cut, not as
+        # sorted: a near-tie in two tokens' last bits must not reorder what u selects)
+        ranked, order = p.sort(dim=-1, descending=True)
+        keep = ranked.cumsum(-1) - ranked < top_p
+        p = p * torch.zeros_like(keep).scatter_(1, order, keep)
+    cdf = p.cumsum_(-1)
+    total = cdf[:, -1:].contiguous()
+    # never past the last token with mass (u * total may round up to total)
+    return torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))[:, 0]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -67,6 +67,7 @@ class ModelRunner:
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
+        self._sampled = None  # the last step's `DevicePicks` where it sampled rows on the device (see `sample`)
         # on a GPU: an event that completes with the last step's work (its picks on the host), so that the
         # scheduler lets the queries' host work run while the device computes; None: the step is done
         self.ready: torch.cuda.Event | None = None
@@ -98,8 +99,8 @@ class ModelRunner:
     def set_greedy_masks(self, masks: list[torch.Tensor | None]) -> None:
         """Token masks (bool [V], None: every token) under which fused GPU steps also pick greedily on the
         device: `picks(k, row)` is then `Greedy().select(logits[row], masks[k])` without a host sync on
-        the logits, and a step whose rows all give a mask (`ahead`) runs the next one ahead on those picks
-        (`FusedDecoder.run_ahead`)."""
+        the logits; a row sampled under one of the masks is sampled there too; and a step whose rows all
+        give such a pick (`ahead`) runs the next one ahead on those picks (`FusedDecoder.run_ahead`)."""
         self.greedy_masks = masks
         self._decoder = None
 
@@ -110,14 +111,17 @@ class ModelRunner:
                                                           greedy_masks=self.greedy_masks), table)
         return self._decoder[0]
 
-    def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | None] | None,
+    def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | Draw | None] | None,
                       want_logits: bool) -> torch.Tensor | None:
         decoder = self._fused_decoder(pool)
-        run_ahead = ahead is not None and None not in ahead
-        logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, ahead if run_ahead else None,
+        specs = None if ahead is None or decoder.masks is None else [self._device_pick(a) for a in ahead]
+        run_ahead = specs is not None and None not in specs
+        if specs is not None:
+            specs = [sp or (0, 0.0, 0.0, None) for sp in specs]
+        logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, specs,
                                    key=pool.version if run_ahead else None, cascade=pool.shares_prefixes())
         if decoder.masks is not None:  # the step picked on the device
-            self.picks = decoder.picks
+            self.picks = self._sampled = decoder.picks
             # no float32 copy of [B, V] where the caller reads the picks only
             logits = None if run_ahead and not want_logits else logits.float()
         else:
@@ -131,6 +135,7 @@ class ModelRunner:
     def prefill(self, pool: KVPool, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and prefill them: rows of similar new lengths share a left-padded forward
         (so that padding is at most PAD_WASTE of the tokens computed). Returns (logits [B, V], slots)."""
+        self._sampled = None
         logits: list[torch.Tensor | None] = [None] * len(rows)
         slots: list[int] = [0] * len(rows)
         # room for every group at once: growing the pool group by group would copy it each time
@@ -171,14 +176,36 @@ class ModelRunner:
             return column[i]
         return pick
 
-    @staticmethod
-    def sample(logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
-        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): a few ops for
-        all of them, one copy to the host (a pick a row took ~1 ms of the host's time, and a sync, each)."""
-        rows = [i for i, _ in draws]
-        if rows != list(range(len(logits))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample(logits, [d for _, d in draws]).tolist()
+    def _device_pick(self, ahead: int | Draw | None) -> tuple[int, float, float, float | None] | None:
+        """A row's pick as a fused GPU step makes it (`FusedDecoder.step_host`'s `ahead`), or None where the
+        device cannot: greedy under one of the greedy masks, or a draw under one of them without a nucleus."""
+        if isinstance(ahead, Draw):
+            if ahead.temperature <= 0 or ahead.top_p < 1 or ahead.after is None:
+                return None
+            for k, mask in enumerate(self.greedy_masks or ()):
+                if ahead.allowed is mask:
+                    return k, ahead.temperature, ahead.u, ahead.after
+            return None
+        return None if ahead is None else (ahead, 0.0, 0.0, None)
+
+    def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
+        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
+        where the step sampled the row with that draw, else a few ops for all the others, one copy to the host
+        (a pick a row took ~1 ms of the host's time, and a sync, each)."""
+        out: dict[int, int] = {}
+        if self._sampled is not None:
+            for i, d in draws:
+                sp = self._device_pick(d)
+                token = None if sp is None else self._sampled.sampled(i, sp[:3])
+                if token is not None:
+                    out[i] = token
+        rest = [(i, d) for i, d in draws if i not in out]
+        if rest:
+            rows = [i for i, _ in rest]
+            if rows != list(range(len(logits))):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            out.update(zip(rows, sample(logits, [d for _, d in rest]).tolist()))
+        return [out[i] for i, _ in draws]
 
     def _event(self) -> torch.cuda.Event | None:
         """An event recorded after the work queued so far on the device (None on the CPU)."""
@@ -237,13 +264,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, pool: KVPool, rows: slice, tokens: list[int],
-               ahead: list[int | None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
+               ahead: list[int | Draw | None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
         """One token for each row of `rows` (a slot range), written at column `end`. The caller advances
         `pool.end` once every row of the pool has been stepped. Returns logits [B, V] float32; `picks`
         holds the step's greedy picks on the device, or None. `ahead`: per row, the greedy mask (an index
-        into `greedy_masks`) its next token will likely be picked with, or None (see `set_greedy_masks`).
+        into `greedy_masks`) its next token will likely be picked with, or the draw it will be sampled
+        with (a fused GPU step samples it on the device where it can: `sample`), or None (see
+        `set_greedy_masks`).
         `want_logits=False`: the caller reads only `picks` where the step made them (then returns None)."""
-        self.picks, self.ready = None, None
+        self.picks, self.ready, self._sampled = None, None, None
         if self.fused and rows.start == 0 and rows.stop == pool.rows <= self.max_batch:
             return self._fused_decode(pool, tokens, ahead, want_logits)
         starts = pool.start[rows]

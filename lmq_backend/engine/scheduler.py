@@ -253,11 +253,19 @@ class Scheduler:
             batch[0].future.set_exception(LMQBackendError(
                 f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
             return
-        await self._device_done()
-        self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
-                     sum(w.row.cached for w in batch), started)
+        try:
+            await self._device_done()
+            drawn = self._samples(logits, [w.request.draw for w in batch])
+            self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
+                         sum(w.row.cached for w in batch), started)
+        except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
+            while self.pool.rows > len(self.rows):
+                self.pool.remove_row(self.pool.rows - 1)
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(e)
+            return
         picks = self.runner.picks
-        drawn = self._samples(logits, [w.request.draw for w in batch])
         rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
                     drawn=drawn.get(i)) for i, slot in enumerate(slots)]
         self._joined += len(rows)
@@ -283,18 +291,24 @@ class Scheduler:
         rows = list(self.rows)
         work = [self.decodes[id(row)] for row in rows]
         tokens = [w[0] for w in work]
-        ahead = [None if isinstance(w[1], Draw) else w[1] for w in work]  # the runner's greedy masks
+        ahead = [w[1] for w in work]
         # the logits go to the host only for a row that may not pick on the device, or returns them
-        want = any(a is None or w[3] is None for a, w in zip(ahead, work))
+        want = any(not isinstance(a, int) or w[3] is None for a, w in zip(ahead, work))
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
         cached = sum(self.pool.length(row.slot) for row in rows) if self.on_step is not None else 0
         self.pool.end += 1
         self.decodes = {}
-        await self._device_done()
-        drawn = self._samples(logits, [w[1] for w in work])
-        self._report("decode", len(tokens), len(tokens), cached, started)
+        try:
+            await self._device_done()
+            drawn = self._samples(logits, [w[1] for w in work])
+            self._report("decode", len(tokens), len(tokens), cached, started)
+        except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
+            for _, _, future, _ in work:  # (taken off `decodes`: `_fail_all` would not reach them)
+                if not future.done():
+                    future.set_exception(e)
+            return
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
             row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
             if future.done():  # cancelled

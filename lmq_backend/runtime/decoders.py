@@ -39,11 +39,14 @@ class Sampling(Sampler):
         # Python's Mersenne Twister (seeded from the OS without a seed): a uniform in ~0.05 us, where
         # torch.rand on a torch.Generator took ~8 us, a pick, at 1,000 concurrent queries ~a sixth of the host
         self.generator = random.Random(seed)
+        self._next = self.generator.random()
 
     def draw(self, allowed: torch.Tensor | None) -> Draw:
         """The next pick's draw (one uniform from the generator), before its logits exist: a decode step
-        samples the rows of all its queries' draws at once (`engine.picks.sample`)."""
-        return Draw(self.temperature, self.top_p, self.generator.random(), allowed)
+        samples the rows of all its queries' draws at once (`engine.picks.sample`). It tells the uniform
+        of the draw after it too (a GPU step run ahead samples with that)."""
+        u, self._next = self._next, self.generator.random()
+        return Draw(self.temperature, self.top_p, u, allowed, self._next)
 
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
         return int(sample(logits[None], [self.draw(allowed)])[0])

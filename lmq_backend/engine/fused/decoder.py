@@ -50,7 +50,7 @@ from lmq_kernels.cpu_layout import padded_stride
 
 from ..attention import grouped_attention
 from .cpu_step import run_layers
-from .graphs import DevicePicks, GraphSteps, bucket_for
+from .graphs import DevicePicks, GraphSteps, bucket_for, write_picks
 from .prefill import Prefill
 
 __all__ = ["FusedDecoder"]
@@ -70,17 +70,21 @@ class FusedDecoder(GraphSteps, Prefill):
         # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
         # to the device in one copy from a pinned host mirror (`step_host`)
         n, dev = self.max_batch, self.device
-        self._inputs = torch.zeros(4 * n + 3, dtype=torch.int32, device=dev)
-        self._host = torch.zeros(4 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
+        self._inputs = torch.zeros(6 * n + 3, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(6 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
         self._host_free = torch.cuda.Event() if self.cuda else None   # the last copy out of _host is done
         self.tokens = self._inputs[:n]
         self.positions = self._inputs[n:2 * n]
         self.start = self._inputs[2 * n:3 * n]
         self.start.fill_(self.S)
-        self.ahead = self._inputs[3 * n:4 * n]              # per row: the greedy mask its run-ahead token uses
-        self.end = self._inputs[4 * n:4 * n + 1]            # column the new token goes to
-        self.end1 = self._inputs[4 * n + 1:4 * n + 2]       # end + 1 (attention's exclusive end)
-        self.nrows = self._inputs[4 * n + 2:]               # real rows (< bucket: padding)
+        # per row, the device's pick from the step's logits (and a run-ahead step's token): under mask
+        # `ahead`, greedy where `temperature` is 0, else sampled at the uniform `u` (float32 bits)
+        self.ahead = self._inputs[3 * n:4 * n]
+        self.temperature = self._inputs[4 * n:5 * n].view(torch.float32)
+        self.u = self._inputs[5 * n:6 * n].view(torch.float32)
+        self.end = self._inputs[6 * n:6 * n + 1]            # column the new token goes to
+        self.end1 = self._inputs[6 * n + 1:6 * n + 2]       # end + 1 (attention's exclusive end)
+        self.nrows = self._inputs[6 * n + 2:]               # real rows (< bucket: padding)
         self._end_int, self._nrows_int, self._first_int = 0, 0, 0       # CPU steps read these
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * self.H_kv) * self.D
@@ -96,21 +100,27 @@ class FusedDecoder(GraphSteps, Prefill):
         self.gu = wide(n, 2 * self.inter)
         self.act = mk(n, self.inter)
         self.logits = wide(n, self.vocab)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}   # (bucket, cascade)
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}   # (bucket, cascade, sampling)
         self.cascade = True          # attention may read tiles rows share once for a block of rows
+        self.sampling = False        # some row's pick is sampled (its step's graph samples too)
         self._graph_pool = None
         # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
         self.masks = None
         self.picks: DevicePicks | None = None
         self._ahead_key = None       # the state a launched run-ahead step assumed, see `run_ahead`
         self._last = None            # (key, starts) of the last step from `step_host`
-        self._ahead_used = ()        # the `ahead` masks in the device's inputs
+        self._specs = ()             # the last `step_host`'s picks, per row (see there)
+        self._ahead_used = ()        # per row, (mask, temperature, u) of the device's inputs
+        self._run_host = self._run_free = None   # the pinned buffer a run-ahead's picks travel in
         self.ran_ahead = self.took_ahead = 0   # run-ahead steps launched / taken
         if greedy_masks and self.cuda:
             self.masks = torch.stack([torch.ones(self.vocab, dtype=torch.bool, device=dev) if m is None
                                       else m.to(dev, torch.bool) for m in greedy_masks])  # [K, V]
-            self.guess = torch.zeros(len(greedy_masks), n, dtype=torch.int64, device=dev)
-            self._guess_host = torch.zeros(len(greedy_masks), n, dtype=torch.int64, pin_memory=True)
+            # per mask the greedy picks, then (row K) the sampled ones
+            self.guess = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, device=dev)
+            self._guess_host = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, pin_memory=True)
+            self._run_host = torch.zeros(3 * n, dtype=torch.int32, pin_memory=True)
+            self._run_free = torch.cuda.Event()
 
     # ------------------------------------------------------------------------------------------ CPU steps
     def _cpu_step_setup(self, bp: int) -> None:
@@ -190,7 +200,7 @@ class FusedDecoder(GraphSteps, Prefill):
         [B, V] (model dtype, a view of a static buffer, valid until the next step)."""
         B = tokens.shape[0]
         bp = self._check(B, end)
-        self._last = None  # no run-ahead after a step from device tensors
+        self._last, self.sampling = None, False  # no run-ahead (nor sampled picks) after a step from device tensors
         self.tokens[:B].copy_(tokens, non_blocking=True)
         self.positions[:B].copy_(positions, non_blocking=True)
         self.start[:B].copy_(start, non_blocking=True)
@@ -206,22 +216,24 @@ class FusedDecoder(GraphSteps, Prefill):
         return self._run(B, bp)
 
     @torch.inference_mode()
-    def step_host(self, tokens: list[int], starts: list[int], end: int, ahead: list[int] | None = None,
+    def step_host(self, tokens: list[int], starts: list[int], end: int,
+                  ahead: list[tuple[int, float, float, float | None]] | None = None,
                   key=None, cascade: bool = True) -> torch.Tensor:
         """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
         goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
-        `ahead`: per row, the greedy mask a run-ahead step picks its token with; `key`: see `run_ahead`;
-        `cascade`: whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention
-        then reads a shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
+        `ahead`: per row (mask, temperature, u, after): the device picks from the step's logits under greedy
+        mask `mask`, greedily where temperature is 0, else sampled at u (`picks.inverse_cdf`; a run-ahead
+        step samples at `after`), and a run-ahead step runs on that pick; `key`: see `run_ahead`; `cascade`:
+        whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention then reads a
+        shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
         B = len(tokens)
-        ahead = tuple(ahead) if ahead is not None else (0,) * B
+        self._specs = tuple(ahead) if ahead is not None else ((0, 0.0, 0.0, None),) * B
         last = (key, tuple(starts)) if key is not None else None
         if last is not None and self._take_ahead(last, tokens, end):
-            if ahead != self._ahead_used:  # the masks of the next run-ahead's picks changed
-                self._set_ahead(ahead)
             return self.logits[:B]
-        self._last, self._ahead_used = last, ahead
+        self._last, self._ahead_used = last, tuple(sp[:3] for sp in self._specs)
         self.cascade = cascade
+        self.sampling = self.masks is not None and any(sp[1] > 0 for sp in self._specs)
         bp = self._check(B, end)
         n = self.max_batch
         if self._host_free is not None:
@@ -233,9 +245,8 @@ class FusedDecoder(GraphSteps, Prefill):
         h[2 * n + B:3 * n] = self.S           # padded rows attend to nothing
         h[n:2 * n] = end - h[2 * n:3 * n]
         h[n + B:2 * n] = 0
-        h[3 * n:3 * n + B] = ahead
-        h[3 * n + B:4 * n] = 0
-        h[4 * n:] = (end, end + 1, B)
+        write_picks(h[3 * n:6 * n], self._ahead_used)
+        h[6 * n:] = (end, end + 1, B)
         self._first_int = min(starts)
         self._inputs.copy_(self._host, non_blocking=True)
         if self._host_free is not None:
@@ -247,9 +258,11 @@ class FusedDecoder(GraphSteps, Prefill):
         if not self.use_graphs:
             self._forward(bp)
         else:
-            graph = self.graphs.get((bp, self.cascade))
+            key = (bp, self.cascade, self.sampling)
+            graph = self.graphs.get(key)
             if graph is None:
-                graph = self.graphs[bp, self.cascade] = self._capture(bp)
+                graph = self.graphs[key] = self._capture(bp)
             graph.replay()
-        self._copy_picks(B)
+        self._copy_picks(B, self._ahead_used)
         return self.logits[:B]
+

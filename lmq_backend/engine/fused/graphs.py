@@ -1,5 +1,5 @@
-"""CUDA-graph captured decode steps, greedy picks on the device and running a step ahead (`GraphSteps`, a
-mixin of `FusedDecoder`).
+"""CUDA-graph captured decode steps, greedy and sampled picks on the device and running a step ahead
+(`GraphSteps`, a mixin of `FusedDecoder`).
 
 All activations live in buffers allocated once at `max_batch` rows and sliced per bucket (`bucket_for`); the
 inputs (`tokens`, `positions`, `start`, `end`, the real row count) live in static device tensors, so a graph
@@ -9,11 +9,12 @@ real step, so they are harmless.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lmq_kernels.masked_argmax import masked_argmax_k
 
-from ..picks import masked_argmax
+from ..picks import inverse_cdf, masked_argmax
 
 
 def bucket_for(n: int, max_batch: int) -> int:
@@ -25,21 +26,31 @@ def bucket_for(n: int, max_batch: int) -> int:
 
 
 class GraphSteps:
-    """`FusedDecoder`'s steps under CUDA graphs: capture per bucket, the greedy picks under each mask on the
-    device (`DevicePicks`), and `run_ahead`. Reads the decoder's static buffers and step state."""
+    """`FusedDecoder`'s steps under CUDA graphs: capture per bucket, the greedy picks under each mask and the
+    sampled picks on the device (`DevicePicks`), and `run_ahead`. Reads the decoder's static buffers and step
+    state."""
 
     def _pick_and_advance(self, bp: int) -> None:
         """Greedy picks under each mask (`masked_argmax_k`: the picks of `masked_argmax`, as `Greedy.select`
-        picks, in one pass over the logits), and, in
-        a captured step, the inputs of the step after it: each row's pick under its `ahead` mask, one
-        position and one column further (a run-ahead replays the same graph on them)."""
-        logits, picks = self.logits[:bp], self.guess[:, :bp]
+        picks, in one pass over the logits), where a row's pick is sampled (a `sampling` step) its sample
+        under its `ahead` mask at its `u` (`inverse_cdf`, as `picks.sample` samples), and, in a captured step,
+        the inputs of the step after it: each row's pick, one position and one column further (a run-ahead
+        replays the same graph on them)."""
+        k = len(self.masks)
+        logits, picks = self.logits[:bp], self.guess[:k, :bp]
         if self.triton:  # one pass over the logits for every mask
             masked_argmax_k(logits, self.masks, out=picks)
         else:
             picks.copy_(masked_argmax(logits[None], self.masks[:, None]))  # [K, bp]
+        mask = self.ahead[:bp].long()
+        chosen = picks.gather(0, mask[None])[0]
+        if self.sampling:
+            t = self.temperature[:bp, None]
+            z = torch.where(self.masks[mask], logits.float(), float("-inf"))
+            self.guess[k, :bp].copy_(inverse_cdf(z, torch.where(t > 0, t, 1.0), self.u[:bp, None]))
+            chosen = torch.where(t[:, 0] > 0, self.guess[k, :bp], chosen)
         if self.use_graphs:
-            self.tokens[:bp].copy_(picks.gather(0, self.ahead[:bp].long()[None])[0])
+            self.tokens[:bp].copy_(chosen)
             self.positions[:bp].add_(1)
             self.end.add_(1)
             self.end1.add_(1)
@@ -60,10 +71,11 @@ class GraphSteps:
             self._forward(bp)
         return graph
 
-    def _copy_picks(self, B: int) -> None:
+    def _copy_picks(self, B: int, used: tuple) -> None:
+        """The step's picks on their way to the host; `used`: its rows' (mask, temperature, u)."""
         if self.masks is not None:
             self._guess_host.copy_(self.guess, non_blocking=True)
-            self.picks = DevicePicks(self._guess_host, B)
+            self.picks = DevicePicks(self._guess_host, B, used)
 
     # ------------------------------------------------------------------------------------- running ahead
     def run_ahead(self) -> bool:
@@ -71,15 +83,19 @@ class GraphSteps:
         checks its own (call it after taking what you need of this step's logits: the run-ahead step
         overwrites them). The next `step_host` takes the run-ahead step's result instead of running the
         step again when everything it depends on is what the run-ahead assumed: the same `key` (the
-        caller's name for the pool's rows and contents), starts, end + 1, `ahead` masks, and as tokens
-        the device's picks; any other call discards it. Steps are deterministic, so a taken run-ahead
-        step is the step itself, bit for bit. Only for CUDA-graph steps with greedy masks; returns
-        whether it launched."""
+        caller's name for the pool's rows and contents), starts, end + 1, and as tokens the device's picks;
+        any other call discards it. Steps are deterministic, so a taken run-ahead step is the step itself,
+        bit for bit. Its own picks are made with the last step's masks and temperatures, its samples at
+        each row's `after` uniform (`picks.used` says with what: a caller whose draw differs samples
+        itself). Only for CUDA-graph steps with greedy masks; returns whether it launched."""
         if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
             return False
-        self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade].replay()
+        used = tuple((m, t, after if t > 0 else 0.0) for m, t, _, after in self._specs)
+        if used != self._ahead_used:
+            self._set_ahead(used)
+        self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade, self.sampling].replay()
         self._end_int += 1
-        self._ahead_key = (self._last, self._end_int, self.picks, self._ahead_used)
+        self._ahead_key = (self._last, self._end_int, self.picks)
         self.ran_ahead += 1
         return True
 
@@ -87,30 +103,31 @@ class GraphSteps:
         """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
         anything else is queued.)"""
         key, self._ahead_key = self._ahead_key, None
-        if key is None or key[:2] != (last, end) or key[2].tokens(key[3]) != tokens:
+        if key is None or key[:2] != (last, end) or key[2].tokens() != tokens:
             return False
-        self._copy_picks(len(tokens))
+        self._copy_picks(len(tokens), self._ahead_used)
         self.took_ahead += 1
         return True
 
-    def _set_ahead(self, ahead: tuple[int, ...]) -> None:
-        n, B = self.max_batch, len(ahead)
-        if self._host_free is not None:
-            self._host_free.synchronize()
-        self._host[3 * n:3 * n + B] = torch.tensor(ahead, dtype=torch.int32)
-        self.ahead[:B].copy_(self._host[3 * n:3 * n + B], non_blocking=True)
-        if self._host_free is not None:
-            self._host_free.record()
-        self._ahead_used = ahead
+    def _set_ahead(self, used: tuple) -> None:
+        """The (mask, temperature, u) a run-ahead step picks with, into the device's inputs (through a pinned
+        buffer of their own: the step's inputs' buffer may still wait for the step before it)."""
+        n = self.max_batch
+        self._run_free.synchronize()
+        write_picks(self._run_host.numpy(), used)
+        self._inputs[3 * n:6 * n].copy_(self._run_host, non_blocking=True)
+        self._run_free.record()
+        self._ahead_used = used
 
 
 class DevicePicks:
-    """One step's greedy picks, per mask and row, on their way to the host (read them before the next
-    step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
+    """One step's picks on their way to the host: the greedy pick per mask and row, and the sampled pick of
+    the rows `used` says were sampled (per row (mask, temperature, u)) as mask number K (read them before the
+    next step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
     queued after it."""
 
-    def __init__(self, host: torch.Tensor, rows: int):
-        self._host, self.rows = host, rows
+    def __init__(self, host: torch.Tensor, rows: int, used: tuple):
+        self._host, self.rows, self.used = host, rows, used
         self._event = torch.cuda.Event()
         self._event.record()
         self._picks: list[list[int]] | None = None
@@ -122,10 +139,25 @@ class DevicePicks:
         return self._picks
 
     def __call__(self, mask: int, row: int) -> int:
-        """The greedy pick of `row` under mask number `mask`."""
+        """The greedy pick of `row` under mask number `mask` (K: its sampled pick)."""
         return self._wait()[mask][row]
 
-    def tokens(self, ahead: tuple[int, ...]) -> list[int]:
-        """Each row's pick under its own mask (the tokens a run-ahead step ran on)."""
+    def sampled(self, row: int, pick: tuple[int, float, float]) -> int | None:
+        """The row's sampled pick if the device sampled it as `pick` (mask, temperature, u) says, else None."""
+        return self._wait()[-1][row] if self.used[row] == pick else None
+
+    def tokens(self) -> list[int]:
+        """Each row's pick (the tokens a run-ahead step ran on)."""
         picks = self._wait()
-        return [picks[k][b] for b, k in enumerate(ahead)]
+        return [picks[-1][b] if t > 0 else picks[m][b] for b, (m, t, _) in enumerate(self.used[:self.rows])]
+
+
+def write_picks(h, picks: tuple[tuple[int, float, float], ...]) -> None:
+    """The (mask, temperature, u) of each row's pick into the host mirror of the inputs `ahead`,
+    `temperature`, `u` (three slices of n int32; the floats as their bits), zeros past the rows."""
+    n, b = len(h) // 3, len(picks)
+    h[:] = 0
+    if b:
+        masks, temperatures, us = zip(*picks)
+        h[:b] = masks
+        h[n:3 * n].view(np.float32)[np.r_[0:b, n:n + b]] = temperatures + us
