@@ -114,12 +114,13 @@ class ModelRunner:
     def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | Draw | None] | None,
                       want_logits: bool) -> torch.Tensor | None:
         decoder = self._fused_decoder(pool)
-        specs = None if ahead is None or decoder.masks is None else [self._device_pick(a) for a in ahead]
-        run_ahead = specs is not None and None not in specs
-        if specs is not None:
-            specs = [sp or (0, 0.0, 0.0, None) for sp in specs]
-        logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, specs,
-                                   key=pool.version if run_ahead else None, cascade=pool.shares_prefixes())
+        masks, draws = self._device_picks(ahead) if decoder.masks is not None else (None, None)
+        run_ahead = masks is not None and None not in masks
+        if masks is not None and not run_ahead:
+            masks = [0 if m is None else m for m in masks]
+        logits = decoder.step_host(tokens, pool.start[: pool.rows], pool.end, masks,
+                                   key=pool.version if run_ahead else None, cascade=pool.shares_prefixes(),
+                                   draws=draws)
         if decoder.masks is not None:  # the step picked on the device
             self.picks = self._sampled = decoder.picks
             # no float32 copy of [B, V] where the caller reads the picks only
@@ -176,17 +177,30 @@ class ModelRunner:
             return column[i]
         return pick
 
-    def _device_pick(self, ahead: int | Draw | None) -> tuple[int, float, float, float | None] | None:
-        """A row's pick as a fused GPU step makes it (`FusedDecoder.step_host`'s `ahead`), or None where the
-        device cannot: greedy under one of the greedy masks, or a draw under one of them without a nucleus."""
-        if isinstance(ahead, Draw):
-            if ahead.temperature <= 0 or ahead.top_p < 1 or ahead.after is None:
-                return None
-            for k, mask in enumerate(self.greedy_masks or ()):
-                if ahead.allowed is mask:
-                    return k, ahead.temperature, ahead.u, ahead.after
+    def _device_picks(self, ahead: list[int | Draw | None] | None) -> tuple[list | None, dict | None]:
+        """The rows' picks as a fused GPU step makes them (`FusedDecoder.step_host`'s `ahead` and `draws`): per
+        row the greedy mask, None where the device cannot pick (nor run ahead), and {row: (temperature, u,
+        after)} for the rows it samples."""
+        if ahead is None:
+            return None, None
+        masks, draws = list(ahead), {}
+        for i, a in enumerate(ahead):
+            if a.__class__ is not int and a is not None:
+                pick = self._device_draw(a)
+                masks[i] = None if pick is None else pick[0]
+                if pick is not None:
+                    draws[i] = pick[1:]
+        return masks, draws
+
+    def _device_draw(self, draw: Draw) -> tuple[int, float, float, float] | None:
+        """(mask, temperature, u, after) of a draw the device samples: under one of the greedy masks, without
+        a nucleus; else None."""
+        if draw.temperature <= 0 or draw.top_p < 1 or draw.after is None:
             return None
-        return None if ahead is None else (ahead, 0.0, 0.0, None)
+        for k, mask in enumerate(self.greedy_masks or ()):
+            if draw.allowed is mask:
+                return k, draw.temperature, draw.u, draw.after
+        return None
 
     def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
         """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
@@ -195,8 +209,8 @@ class ModelRunner:
         out: dict[int, int] = {}
         if self._sampled is not None:
             for i, d in draws:
-                sp = self._device_pick(d)
-                token = None if sp is None else self._sampled.sampled(i, sp[:3])
+                pick = self._device_draw(d)
+                token = None if pick is None else self._sampled.sampled(i, *pick[:3])
                 if token is not None:
                     out[i] = token
         rest = [(i, d) for i, d in draws if i not in out]

@@ -109,8 +109,8 @@ class FusedDecoder(GraphSteps, Prefill):
         self.picks: DevicePicks | None = None
         self._ahead_key = None       # the state a launched run-ahead step assumed, see `run_ahead`
         self._last = None            # (key, starts) of the last step from `step_host`
-        self._specs = ()             # the last `step_host`'s picks, per row (see there)
-        self._ahead_used = ()        # per row, (mask, temperature, u) of the device's inputs
+        self._specs = ((), {})       # the last `step_host`'s (ahead, draws) (see there)
+        self._ahead_used = ((), {})  # (masks, {row: (temperature, u)}) of the device's inputs
         self._run_host = self._run_free = None   # the pinned buffer a run-ahead's picks travel in
         self.ran_ahead = self.took_ahead = 0   # run-ahead steps launched / taken
         if greedy_masks and self.cuda:
@@ -216,24 +216,25 @@ class FusedDecoder(GraphSteps, Prefill):
         return self._run(B, bp)
 
     @torch.inference_mode()
-    def step_host(self, tokens: list[int], starts: list[int], end: int,
-                  ahead: list[tuple[int, float, float, float | None]] | None = None,
-                  key=None, cascade: bool = True) -> torch.Tensor:
+    def step_host(self, tokens: list[int], starts: list[int], end: int, ahead: list[int] | None = None,
+                  key=None, cascade: bool = True,
+                  draws: dict[int, tuple[float, float, float]] | None = None) -> torch.Tensor:
         """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
         goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
-        `ahead`: per row (mask, temperature, u, after): the device picks from the step's logits under greedy
-        mask `mask`, greedily where temperature is 0, else sampled at u (`picks.inverse_cdf`; a run-ahead
-        step samples at `after`), and a run-ahead step runs on that pick; `key`: see `run_ahead`; `cascade`:
+        `ahead`: per row, the greedy mask the device picks the row's token under (a run-ahead step runs on
+        it); `draws`: {row: (temperature, u, after)} for the rows whose pick is sampled instead (under that
+        mask at u, `picks.inverse_cdf`; a run-ahead step's at `after`); `key`: see `run_ahead`; `cascade`:
         whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention then reads a
         shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
         B = len(tokens)
-        self._specs = tuple(ahead) if ahead is not None else ((0, 0.0, 0.0, None),) * B
+        self._specs = (tuple(ahead) if ahead is not None else (0,) * B, draws or {})
         last = (key, tuple(starts)) if key is not None else None
         if last is not None and self._take_ahead(last, tokens, end):
             return self.logits[:B]
-        self._last, self._ahead_used = last, tuple(sp[:3] for sp in self._specs)
+        masks, draws = self._specs
+        self._last, self._ahead_used = last, (masks, {i: d[:2] for i, d in draws.items()})
         self.cascade = cascade
-        self.sampling = self.masks is not None and any(sp[1] > 0 for sp in self._specs)
+        self.sampling = self.masks is not None and bool(draws)
         bp = self._check(B, end)
         n = self.max_batch
         if self._host_free is not None:

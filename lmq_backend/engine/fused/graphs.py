@@ -90,7 +90,8 @@ class GraphSteps:
         itself). Only for CUDA-graph steps with greedy masks; returns whether it launched."""
         if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
             return False
-        used = tuple((m, t, after if t > 0 else 0.0) for m, t, _, after in self._specs)
+        masks, draws = self._specs
+        used = (masks, {i: (t, after) for i, (t, _, after) in draws.items()})
         if used != self._ahead_used:
             self._set_ahead(used)
         self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade, self.sampling].replay()
@@ -110,8 +111,8 @@ class GraphSteps:
         return True
 
     def _set_ahead(self, used: tuple) -> None:
-        """The (mask, temperature, u) a run-ahead step picks with, into the device's inputs (through a pinned
-        buffer of their own: the step's inputs' buffer may still wait for the step before it)."""
+        """The picks of a run-ahead step ((masks, {row: (temperature, u)})), into the device's inputs (through a
+        pinned buffer of their own: the step's inputs' buffer may still wait for the step before it)."""
         n = self.max_batch
         self._run_free.synchronize()
         write_picks(self._run_host.numpy(), used)
@@ -122,8 +123,8 @@ class GraphSteps:
 
 class DevicePicks:
     """One step's picks on their way to the host: the greedy pick per mask and row, and the sampled pick of
-    the rows `used` says were sampled (per row (mask, temperature, u)) as mask number K (read them before the
-    next step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
+    the rows `used` says were sampled ((masks, {row: (temperature, u)})) as mask number K (read them before
+    the next step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
     queued after it."""
 
     def __init__(self, host: torch.Tensor, rows: int, used: tuple):
@@ -142,22 +143,28 @@ class DevicePicks:
         """The greedy pick of `row` under mask number `mask` (K: its sampled pick)."""
         return self._wait()[mask][row]
 
-    def sampled(self, row: int, pick: tuple[int, float, float]) -> int | None:
-        """The row's sampled pick if the device sampled it as `pick` (mask, temperature, u) says, else None."""
-        return self._wait()[-1][row] if self.used[row] == pick else None
+    def sampled(self, row: int, mask: int, temperature: float, u: float) -> int | None:
+        """The row's sampled pick if the device sampled it under that mask, temperature and u, else None."""
+        masks, draws = self.used
+        ok = row < len(masks) and masks[row] == mask and draws.get(row) == (temperature, u)
+        return self._wait()[-1][row] if ok else None
 
     def tokens(self) -> list[int]:
         """Each row's pick (the tokens a run-ahead step ran on)."""
-        picks = self._wait()
-        return [picks[-1][b] if t > 0 else picks[m][b] for b, (m, t, _) in enumerate(self.used[:self.rows])]
+        picks, (masks, draws) = self._wait(), self.used
+        tokens = [picks[m][b] for b, m in enumerate(masks[:self.rows])]
+        for b in draws:
+            tokens[b] = picks[-1][b]
+        return tokens
 
 
-def write_picks(h, picks: tuple[tuple[int, float, float], ...]) -> None:
-    """The (mask, temperature, u) of each row's pick into the host mirror of the inputs `ahead`,
+def write_picks(h, used: tuple) -> None:
+    """A step's picks ((masks, {row: (temperature, u)})) into the host mirror of the inputs `ahead`,
     `temperature`, `u` (three slices of n int32; the floats as their bits), zeros past the rows."""
-    n, b = len(h) // 3, len(picks)
-    h[:] = 0
-    if b:
-        masks, temperatures, us = zip(*picks)
-        h[:b] = masks
-        h[n:3 * n].view(np.float32)[np.r_[0:b, n:n + b]] = temperatures + us
+    n, (masks, draws) = len(h) // 3, used
+    h[:len(masks)] = masks
+    h[len(masks):] = 0
+    if draws:
+        f, rows = h.view(np.float32), np.fromiter(draws, dtype=np.int64, count=len(draws))
+        t, u = zip(*draws.values())
+        f[n + rows], f[2 * n + rows] = t, u
