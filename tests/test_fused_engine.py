@@ -22,16 +22,29 @@ async def run_all(backend, n=6):
     return [r.variables for r in await asyncio.gather(*(q.run({"x": "word " * i}) for i in range(n)))]
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-async def test_fused_decode_matches_the_model_forward(tokenizer, device):
+def llama(device: str, hidden: int, layers: int, heads: int):
+    """A random Llama (seed 0) of the default tokenizer's vocabulary, float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    size = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8) \
-        if device == "cuda" else dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
-    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, **size)
-    model = LlamaForCausalLM(config).to(device).eval()
+    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=hidden,
+                         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    return LlamaForCausalLM(config).to(device).eval()
+
+
+def ahead_and_plain(model, tokenizer):
+    """Two backends of one model: one whose GPU steps pick on the device and run ahead, one whose device
+    makes no picks (the host picks every token from the logits)."""
+    ahead = lmq.HFBackend.from_model(model, tokenizer, name="ahead")
+    plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
+    plain.runner.set_greedy_masks(None)
+    return ahead, plain
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+async def test_fused_decode_matches_the_model_forward(tokenizer, device):
+    model = llama(device, 512, 4, 8) if device == "cuda" else llama(device, 128, 2, 4)
     fused = lmq.HFBackend.from_model(model, tokenizer, name="fused")
     assert fused.runner.fused
     plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
@@ -65,15 +78,7 @@ async def test_run_ahead_steps_change_no_token(tokenizer):
     the host takes it only when its own pick and the batch agree. Concurrent queries that join, stop
     (STOPS_AT) and pick under constraints mid-way give the same tokens as without running ahead, and most
     steps were taken from a run-ahead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=512,
-                         intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
-    model = LlamaForCausalLM(config).cuda().eval()
-    ahead = lmq.HFBackend.from_model(model, tokenizer, name="ahead")
-    plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
-    plain.runner.set_greedy_masks(None)
+    ahead, plain = ahead_and_plain(llama("cuda", 512, 4, 8), tokenizer)
     q_ahead, q_plain = lmq.Query(RUN_AHEAD, model=ahead), lmq.Query(RUN_AHEAD, model=plain)
 
     async def late(q, i):
@@ -102,12 +107,7 @@ async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokeniz
     one batch, float32: every query gets the values it gets alone; the steps sampled their rows together.
     (No top_p here: a random model's flat distribution puts thousands of near-ties at a nucleus's edge, where
     the last bits of a logit, which the cache may change, decide which tokens are in it.)"""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=256,
-                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
-    backend = lmq.HFBackend.from_model(LlamaForCausalLM(config).to(device).eval(), tokenizer, name="mixed")
+    backend = lmq.HFBackend.from_model(llama(device, 256, 2, 4), tokenizer, name="mixed")
     assert backend.runner.fused
     sampled, greedy = lmq.Query(SAMPLED, model=backend), lmq.Query(GREEDY, model=backend)
     words = ["cats", "the sea", "old maps", "tea"]
@@ -127,15 +127,7 @@ async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
     and runs the next step ahead on those samples, at each row's next uniform. Against a backend whose
     device makes no picks (the host samples every row from the logits): the same values, float32, for
     sampled and greedy queries arriving at different steps; most steps were taken from a run-ahead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, num_key_value_heads=2, max_position_embeddings=4096, hidden_size=256,
-                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
-    model = LlamaForCausalLM(config).cuda().eval()
-    ahead = lmq.HFBackend.from_model(model, tokenizer, name="ahead")
-    plain = lmq.HFBackend.from_model(model, tokenizer, name="plain")
-    plain.runner.set_greedy_masks(None)
+    ahead, plain = ahead_and_plain(llama("cuda", 256, 2, 4), tokenizer)
     src = 'sample(n=2, temperature=0.7, seed=3)\n"Once upon a time, {x}[A]" where len(TOKENS(A)) < 20\n'
 
     async def late(backend, i):
