@@ -72,7 +72,7 @@ class GraphSteps:
         return graph
 
     def _copy_picks(self, B: int, used: tuple) -> None:
-        """The step's picks on their way to the host; `used`: its rows' (mask, temperature, u)."""
+        """The step's picks on their way to the host; `used`: what it picked with ((masks, {row: (temperature, u)}))."""
         if self.masks is not None:
             self._guess_host.copy_(self.guess, non_blocking=True)
             self.picks = DevicePicks(self._guess_host, B, used)
