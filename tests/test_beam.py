@@ -92,7 +92,14 @@ BEAM_QUERIES = [
 
 
 @pytest.mark.parametrize("decoder,body", BEAM_QUERIES)
-def test_beams_cache_on_off_batched_alone(make_backend, decoder, body):
+def test_beams_cache_on_off_batched_alone(make_backend, decoder, body, monkeypatch):
+    """The same beams with the cache on or off, batched or alone, among greedy queries; a step takes the
+    choices of all the beams it prefills at once (`ModelRunner.choose`), not a top-k a beam."""
+    from lmq_backend.engine.runner import ModelRunner
+
+    asked, real = [], ModelRunner.choose
+    monkeypatch.setattr(ModelRunner, "choose", staticmethod(lambda logits, asks: asked.append(len(asks))
+                                                            or real(logits, asks)))
     inputs = [{"x": w} for w in ("one", "two", "three", "four")]
 
     def outcome(results):
@@ -110,6 +117,7 @@ def test_beams_cache_on_off_batched_alone(make_backend, decoder, body):
     cached.on_step(None)
     # the beams of the four queries step together: one forward for more beams than queries, a new token each
     assert any(s.batch_size == s.new_tokens > len(inputs) for s in steps)
+    assert max(asked) > len(inputs)
     uncached = make_backend("llama", cache_budget=0)
     alone = outcome([asyncio.run(q.run(i, backend=uncached)) for i in inputs])
     assert batched[0] == alone[0]

@@ -1,12 +1,13 @@
 """`masked_argmax`, the one greedy pick of the runtime (`Greedy`), the runner's prefill picks and the fused
 step's device picks: the first maximal allowed logit, alone or broadcast over masks and rows. `sample`, the one
 sampled pick (`Sampling` and the steps that sample all their rows at once): a row's token is its own, whatever
-rows share the call."""
+rows share the call. `choose`, a beam's next choices, the same way."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from lmq_backend.engine.picks import Draw, masked_argmax, sample
+from lmq_backend.engine.picks import Choices, Draw, choose, masked_argmax, sample
 from lmq_backend.runtime.decoders import Greedy, Sampling
 
 
@@ -62,3 +63,24 @@ def test_the_draw_inverts_the_cumulative_distribution():
     # a nucleus of 0.6: the two most probable tokens (0.5, then one of the 0.25s), renormalised to 2/3, 1/3
     picks = [int(sample(logits, [Draw(1.0, 0.6, u)])[0]) for u in (0.6, 0.7, 0.99)]
     assert picks[0] == 0 and picks[1] == picks[2] in (2, 3)
+
+
+def test_a_rows_choices_are_its_own_top_k():
+    """Beams' choices in one call: each row's are its top-k of the extendable tokens under the log-softmax
+    over the pickable ones, best first, no token of no probability; the best ending where it may end."""
+    gen = torch.Generator().manual_seed(2)
+    v = 200
+    logits = torch.randn(6, v, generator=gen) * 2
+    pickable = torch.arange(v) < 190
+    extends = [torch.rand(v, generator=gen) < 0.5, torch.zeros(v, dtype=torch.bool), torch.arange(v) < 2]
+    extends[1][185:195] = True  # five of them not pickable
+    asks = [Choices(k=[3, 8, 5][i % 3], extend=extends[i % 3], count=int(extends[i % 3].sum()),
+                    can_end=i % 2 == 0, pickable=pickable) for i in range(6)]
+    together = choose(logits, asks)
+    assert together == [choose(logits[i:i + 1], [a])[0] for i, a in enumerate(asks)]
+    for row, a, (ids, lps, end) in zip(logits, asks, together):
+        logp = torch.log_softmax(torch.where(pickable, row, float("-inf")), -1)
+        want = sorted((i for i in range(v) if a.extend[i] and pickable[i]), key=lambda i: -float(logp[i]))
+        assert ids == want[:a.k] and lps == pytest.approx([float(logp[i]) for i in ids])
+        outside = [float(logp[i]) for i in range(v) if not a.extend[i] and pickable[i]]
+        assert end == (pytest.approx(max(outside)) if a.can_end else None)

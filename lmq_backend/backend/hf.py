@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import math
 import os
 import re
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.quantize import QUANTIZED_DTYPES
-from ..engine.picks import Draw
+from ..engine.picks import Choices, Draw
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.scheduler import Preempted, Row, Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
@@ -221,22 +220,17 @@ class HFBackend(Backend):
             return NextTokens([], [], 0.0 if can_end else None)
         if self._ends_at_max_len(seq, len(seq.ids) + len(tokens), can_end):
             return NextTokens([], [], 0.0)
-        # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
-        # waits for the other beams' choices, so the batch's decode steps never wait for it
-        logits, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True))
-        self.scheduler.release(row)
-        logp = logits.float() if self._pick_all is None else logits.float().masked_fill(~self._pick_all, -math.inf)
-        logp = torch.log_softmax(logp, dim=-1)
         if allowed is None:  # an unconstrained step: the mask is on the device already
             extend, count = self._extendable_on_device, self._extendable_count
         else:
-            extend, count = torch.from_numpy(extendable).to(logp.device), int(extendable.sum())
-        top = torch.topk(logp.masked_fill(~extend, -math.inf), min(k, count))
-        ids, logprobs = top.indices.tolist(), top.values.tolist()
-        keep = [i for i, lp in enumerate(logprobs) if lp > -math.inf]
-        end = float(logp.masked_fill(extend, -math.inf).max()) if can_end else None
-        return NextTokens([ids[i] for i in keep], [logprobs[i] for i in keep],
-                          None if end is None or end == -math.inf else end)
+            extend, count = torch.from_numpy(extendable), int(extendable.sum())
+        ask = Choices(k, extend, count, can_end, self._pick_all)
+        # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
+        # waits for the other beams' choices, so the batch's decode steps never wait for it; the step takes
+        # the choices of all the beams it prefills at once
+        _, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True, choices=ask))
+        self.scheduler.release(row)
+        return NextTokens(*row.chosen)
 
     def fork(self, seq: Sequence) -> Sequence:
         copy = Sequence(seq.template, list(seq.ids), seq.text, seq.max_len)
@@ -336,17 +330,18 @@ class _Prefill:
     """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
 
     def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = (), store_all: bool = False,
-                 draw: Draw | None = None):
+                 draw: Draw | None = None, choices: Choices | None = None):
         """`resume`: tokens generated after `seq.ids` by a row that was preempted; they are prefilled too,
         but only the prompt's new part is stored in the trie (as when the row first ran), unless `store_all`
         (a beam's tokens: the next step and the beam's forks read them from the trie). `draw`: the sampled
-        pick to make from the logits (the step samples its rows' draws at once)."""
+        pick to make from the logits (the step samples its rows' draws at once); `choices`: a beam's choices
+        to take from them (the same)."""
         ids = seq.ids + list(resume) if resume else seq.ids
         self.prompt_len = len(ids) if store_all else len(seq.ids)
         if not ids:
             raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
         backend._check_length(seq, len(ids))
-        self.backend, self.seq, self.ids, self.draw = backend, seq, ids, draw
+        self.backend, self.seq, self.ids, self.draw, self.choices = backend, seq, ids, draw, choices
         self.node: TrieNode | None = None
         self.cached = 0
 

@@ -19,7 +19,7 @@ import torch
 from .runner import PrefillRow
 
 if TYPE_CHECKING:
-    from .picks import Draw
+    from .picks import Choices, Draw
     from .scheduler import Row
 
 SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
@@ -33,6 +33,7 @@ class PrefillRequest(Protocol):
 
     ids: list[int]
     draw: Draw | None  # the sampled pick to make from the prefill's logits (a step samples all its rows'), or None
+    choices: Choices | None  # a beam's choices to take from them (a step takes all its rows'), or None
 
     def prepare(self) -> PrefillRow:
         """Look up the cached prefix now; returns the row to prefill."""

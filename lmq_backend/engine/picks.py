@@ -1,7 +1,8 @@
 """The picks from a row's logits. `masked_argmax`: the greedy pick under a token mask, shared by the runtime's
 `Greedy` decoder, the runner's prefill picks and the fused step's device picks, so that all three pick the same
 token. `sample`: the sampled picks of `Draw`s, shared by the `Sampling` decoder and the decode steps, which
-sample all their sampling rows at once."""
+sample all their sampling rows at once. `choose`: a beam's next choices (`Choices`), all rows of a step at
+once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _masked(z: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
     """z [R, V] with -inf where row i's mask (bool [V], None: every token) is False."""
+    allowed = _stacked(masks, z.shape[1], z.device)
+    return z if allowed is None else torch.where(allowed, z, float("-inf"))
+
+
+def _stacked(masks: list[torch.Tensor | None], v: int, device: torch.device) -> torch.Tensor | None:
+    """Row i's mask (bool [V], None: every token) as row i of a [R, V] (or, one mask for all, [1, V]) bool
+    tensor on `device`, each distinct mask moved once; None where no row has a mask."""
     index: dict[int, int] = {}
     unique: list[torch.Tensor | None] = []
     for m in masks:
@@ -94,9 +102,41 @@ def _masked(z: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
             index[id(m)] = len(unique)
             unique.append(m)
     if all(m is None for m in unique):
-        return z
-    on = [torch.ones(z.shape[1], dtype=torch.bool, device=z.device) if m is None
-          else m.to(z.device, non_blocking=True) for m in unique]
-    allowed = on[0][None] if len(on) == 1 else \
-        torch.stack(on)[torch.tensor([index[id(m)] for m in masks], device=z.device)]
-    return torch.where(allowed, z, float("-inf"))
+        return None
+    on = [torch.ones(v, dtype=torch.bool, device=device) if m is None else m.to(device, non_blocking=True)
+          for m in unique]
+    if len(on) == 1:
+        return on[0][None]
+    return torch.stack(on)[torch.tensor([index[id(m)] for m in masks], device=device)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Choices:
+    """A beam's next choices, asked before its logits exist: the `k` most probable tokens of `extend` (bool
+    [V], `count` of them) under the log-softmax over the `pickable` tokens (None: every token), best first,
+    and where `can_end` the best log-probability of a token outside `extend` (ending the value there)."""
+
+    k: int
+    extend: torch.Tensor
+    count: int
+    can_end: bool
+    pickable: torch.Tensor | None = None
+
+
+def choose(logits: torch.Tensor, asks: list[Choices]) -> list[tuple[list[int], list[float], float | None]]:
+    """Each row's choices (`Choices`) from `logits` [R, V]: one log-softmax, one top-k and one copy to the host
+    for all rows. Per row: (token ids, their log-probabilities, best first, without tokens of no
+    probability; the log-probability of ending, None where the value cannot end or no token ends it)."""
+    logp = torch.log_softmax(_masked(logits.float(), [a.pickable for a in asks]), dim=-1)
+    extend = _stacked([a.extend for a in asks], logits.shape[1], logits.device)
+    width = max(min(a.k, a.count) for a in asks)
+    top = torch.topk(logp.masked_fill(~extend, float("-inf")), width)
+    ends = logp.masked_fill(extend, float("-inf")).amax(-1)
+    ids, values, ends = top.indices.tolist(), top.values.tolist(), ends.tolist()
+    out = []
+    for a, row_ids, row_values, end in zip(asks, ids, values, ends):
+        n = min(a.k, a.count)
+        keep = [j for j in range(n) if row_values[j] > float("-inf")]
+        out.append(([row_ids[j] for j in keep], [row_values[j] for j in keep],
+                    end if a.can_end and end > float("-inf") else None))
+    return out

@@ -19,7 +19,7 @@ from ..cache.kv_store import KVStore, token_bytes
 from . import compat
 from .attention import PREFILL_READ, model_attention
 from .kv_pool import KVPool
-from .picks import Draw, masked_argmax, sample
+from .picks import Choices, Draw, choose, masked_argmax, sample
 
 
 @dataclass(slots=True)
@@ -201,6 +201,15 @@ class ModelRunner:
             if draw.allowed is mask:
                 return k, draw.temperature, draw.u, draw.after
         return None
+
+    @staticmethod
+    def choose(logits: torch.Tensor, asks: list[tuple[int, Choices]]) -> list[tuple]:
+        """The choices (`picks.choose`) of the rows of a step's logits [B, V] that asked ((row, choices) pairs):
+        all at once, one copy to the host (a beam's own top-k took a sync or two on a GPU)."""
+        rows = [i for i, _ in asks]
+        if rows != list(range(len(logits))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return choose(logits, [a for _, a in asks])
 
     def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
         """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's

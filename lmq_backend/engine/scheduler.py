@@ -56,7 +56,8 @@ class Row:
     # After a prefill, or a fused decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the
     # row's logits under the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`).
     device_picks: tuple | None = None
-    drawn: int | None = None  # after a decode step: its sample of the row's draw (see `device_pick`)
+    drawn: int | None = None  # after a step: its sample of the row's draw (see `device_pick`)
+    chosen: tuple | None = None  # after a prefill: the choices its request asked for (`picks.choose`)
 
     def device_pick(self, ahead: int | Draw) -> int | None:
         """The step's pick for the row's last logits, if it made one: under the runner's greedy mask `ahead`
@@ -256,6 +257,8 @@ class Scheduler:
         try:
             await self._device_done()
             drawn = self._samples(logits, [w.request.draw for w in batch])
+            asks = [(i, w.request.choices) for i, w in enumerate(batch) if w.request.choices is not None]
+            chosen = dict(zip((i for i, _ in asks), self.runner.choose(logits, asks))) if asks else {}
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
@@ -267,7 +270,7 @@ class Scheduler:
             return
         picks = self.runner.picks
         rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
-                    drawn=drawn.get(i)) for i, slot in enumerate(slots)]
+                    drawn=drawn.get(i), chosen=chosen.get(i)) for i, slot in enumerate(slots)]
         self._joined += len(rows)
         self.rows.extend(rows)
         for row in rows:  # the runner may give the new rows their slots in another order
