@@ -206,10 +206,7 @@ class ModelRunner:
     def choose(logits: torch.Tensor, asks: list[tuple[int, Choices]]) -> list[tuple]:
         """The choices (`picks.choose`) of the rows of a step's logits [B, V] that asked ((row, choices) pairs):
         all at once, one copy to the host (a beam's own top-k took a sync or two on a GPU)."""
-        rows = [i for i, _ in asks]
-        if rows != list(range(len(logits))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return choose(logits, [a for _, a in asks])
+        return choose(_rows(logits, [i for i, _ in asks]), [a for _, a in asks])
 
     def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
         """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
@@ -225,9 +222,7 @@ class ModelRunner:
         rest = [(i, d) for i, d in draws if i not in out]
         if rest:
             rows = [i for i, _ in rest]
-            if rows != list(range(len(logits))):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            out.update(zip(rows, sample(logits, [d for _, d in rest]).tolist()))
+            out.update(zip(rows, sample(_rows(logits, rows), [d for _, d in rest]).tolist()))
         return [out[i] for i, _ in draws]
 
     def _event(self) -> torch.cuda.Event | None:
@@ -371,3 +366,10 @@ def _fused_supports(model) -> bool:
         return _fused_module().supports(model, require_cuda=False)
     except ImportError:  # no triton on this platform: the model's own forward decodes
         return False
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows], without a copy where `rows` is every row in order."""
+    if rows == list(range(len(logits))):
+        return logits
+    return logits[torch.tensor(rows, device=logits.device)]

@@ -17,10 +17,10 @@ part is computed once and then found in the trie; prefills are admitted while th
 to grow (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
 out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
 does not fit waits for running rows to leave. Any other failure of a prefill splits it too, down to the
-query whose prefill fails alone: that query gets the error, the others run. When the running rows' next decode columns need more slots
-than the store can give, the rows that joined last are preempted (vLLM's recompute preemption): they
-leave the batch, their queries get `Preempted` and prefill their tokens again, from the trie where it
-still holds them, and go on.
+query whose prefill fails alone: that query gets the error, the others run. When the running rows' next
+decode columns need more slots than the store can give, the rows that joined last are preempted (vLLM's
+recompute preemption): they leave the batch, their queries get `Preempted` and prefill their tokens again,
+from the trie where it still holds them, and go on.
 """
 from __future__ import annotations
 
@@ -235,9 +235,7 @@ class Scheduler:
             while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
                 self.pool.remove_row(self.pool.rows - 1)
             if not isinstance(e, Exception):  # (the scheduler itself is stopping)
-                for w in batch:  # taken off `waiting` already: `_fail_all` would not reach them
-                    if not w.future.done():
-                        w.future.set_exception(e)
+                _fail([w.future for w in batch], e)  # taken off `waiting` already: `_fail_all` would not reach them
                 raise
             if len(batch) > 1:  # out of memory, or a failure one query's rows may cause: halves, retried
                 half = len(batch) // 2
@@ -256,17 +254,14 @@ class Scheduler:
             return
         try:
             await self._device_done()
-            drawn = self._samples(logits, [w.request.draw for w in batch])
-            asks = [(i, w.request.choices) for i, w in enumerate(batch) if w.request.choices is not None]
-            chosen = dict(zip((i for i, _ in asks), self.runner.choose(logits, asks))) if asks else {}
+            drawn = _per_row(self.runner.sample, logits, [w.request.draw for w in batch])
+            chosen = _per_row(self.runner.choose, logits, [w.request.choices for w in batch])
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
             while self.pool.rows > len(self.rows):
                 self.pool.remove_row(self.pool.rows - 1)
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(e)
+            _fail([w.future for w in batch], e)
             return
         picks = self.runner.picks
         rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
@@ -305,12 +300,10 @@ class Scheduler:
         self.decodes = {}
         try:
             await self._device_done()
-            drawn = self._samples(logits, [w[1] for w in work])
+            drawn = _per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
             self._report("decode", len(tokens), len(tokens), cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
-            for _, _, future, _ in work:  # (taken off `decodes`: `_fail_all` would not reach them)
-                if not future.done():
-                    future.set_exception(e)
+            _fail([w[2] for w in work], e)  # (taken off `decodes`: `_fail_all` would not reach them)
             return
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
             row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
@@ -326,11 +319,6 @@ class Scheduler:
                     self.decodes[id(row)] = (*step, future, then)
                     continue
             future.set_result(None if logits is None else logits[i])
-
-    def _samples(self, logits: torch.Tensor, ahead: list) -> dict[int, int]:
-        """The step's samples of the rows that gave it a draw (`Draw` in `ahead`), by row: all at once."""
-        draws = [(i, a) for i, a in enumerate(ahead) if isinstance(a, Draw)]
-        return dict(zip((i for i, _ in draws), self.runner.sample(logits, draws))) if draws else {}
 
     def _preempt(self, width: int) -> None:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
@@ -362,15 +350,23 @@ class Scheduler:
 
     def _fail_all(self, error: Exception) -> None:
         """A step failed unexpectedly: every query waiting on the engine gets the error."""
-        for w in self.waiting:
-            if not w.future.done():
-                w.future.set_exception(error)
+        _fail([w.future for w in self.waiting] + [d[2] for d in self.decodes.values()], error)
         self.waiting.clear()
-        for _, _, future, _ in self.decodes.values():
-            if not future.done():
-                future.set_exception(error)
         self.decodes.clear()
 
     def _report(self, kind: str, batch: int, new: int, cached: int, started: float) -> None:
         if self.on_step is not None:
             self.on_step(StepInfo(kind, batch, new, cached, time.perf_counter() - started))
+
+
+def _per_row(pick: Callable, logits: torch.Tensor, asks: list) -> dict:
+    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
+    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
+    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
+    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}
+
+
+def _fail(futures: list[asyncio.Future], error: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
