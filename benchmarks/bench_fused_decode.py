@@ -136,7 +136,7 @@ def bench_step(model, B: int, ctx: int, quick: bool):
     for _ in range(3):
         fused()
     t_fused = cuda_ms(fused, 50 if quick else 200)
-    graph = next(g for (bucket, _), g in dec.graphs.items() if bucket == B)  # keyed (bucket, cascade)
+    graph = next(g for (bucket, *_), g in dec.graphs.items() if bucket == B)  # keyed (bucket, cascade)
     t_graph = cuda_ms(graph.replay, 50 if quick else 200)
     kv_bytes = L * 2 * B * H * ctx * D * 2
     t_floor = (weight_bytes(model) + kv_bytes) / HBM_BW * 1e3
