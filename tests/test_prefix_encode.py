@@ -162,8 +162,25 @@ def test_a_prompt_tail_after_a_stored_prefix_is_tokenized_by_its_words(tokenizer
     calls = [f"{shots}Review: the coffee was cold (visit {i})\nSummary:" for i in range(20)]
     encoder = check_exact(tokenizer, calls)
     sent = counting(encoder)
-    check_exact_with(encoder, tokenizer, calls[1:6])  # (the first call, tokenized whole, stored prefixes, not words)
+    check_exact_with(encoder, tokenizer, calls[1:6])
     assert sent == []  # every word seen before
+
+
+def test_a_new_long_prompt_of_seen_words_is_tokenized_by_its_words(tokenizer):
+    """A long prompt with no stored prefix (a new document, the shots in another order) is put together from
+    the words kept, the same ids as the tokenizer's, its prefixes stored for the next call."""
+    rng = random.Random(0)
+    shots = [f"Review: review number {i} was fine.\nSentiment: positive\n\n" for i in range(40)]
+    first = "".join(shots)
+    encoder = check_exact(tokenizer, [first])
+    sent = counting(encoder)
+    reordered = [f"Task {k}:\n" + "".join(rng.sample(shots, len(shots))) for k in range(3)]
+    check_exact_with(encoder, tokenizer, reordered)
+    assert encoder.misses == 4  # only the new words of the first line ("Task", " 0:\nReview:") went to the tokenizer
+    assert [w for t in sent for w in prefix_encode._WORD_CUT.split(t)] == ["Task", " 0:\nReview:", " 1:\nReview:",
+                                                                          " 2:\nReview:"]
+    check_exact_with(encoder, tokenizer, [reordered[0] + "Review: again"])
+    assert encoder.hits == 1  # the new prompt's prefix was stored
 
 
 @pytest.mark.parametrize("token", [

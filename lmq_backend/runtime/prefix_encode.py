@@ -67,7 +67,6 @@ class PrefixEncoder:
         self._encode = encode
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
         self._words: dict[str, tuple[int, ...]] | None = {} if words else None
-        self._spelled = self._n_bytes.tolist()
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # the keys found last, with the cuts up to their own (a text starting with one has those cuts, so only
         # the characters after it are searched for more): a data set's calls share one
@@ -109,7 +108,7 @@ class PrefixEncoder:
                 self.hits += 1
                 return [*head, *self._encode_words(text[c:])]
         self.misses += 1
-        ids = self._encode(text)
+        ids = self._encode_words(text)  # a new prompt's words were mostly seen before
         self._store(text, ids, cuts)
         return ids
 
@@ -125,17 +124,16 @@ class PrefixEncoder:
         found = list(map(words.get, parts))
         if None in found:
             new = [i for i, f in enumerate(found) if f is None]
-            ids, k, spelled = self._encode("".join(parts[i] for i in new)), 0, self._spelled
-            for i in new:  # each word's ids: those spelling its bytes
-                start, left = k, len(parts[i].encode("utf-8"))
-                while left > 0 and k < len(ids):
-                    left -= spelled[ids[k]]
-                    k += 1
-                if left or k == start:
-                    return self._encode(text)  # ids not split at the words: not this rule's tokenizer
-                found[i] = tuple(ids[start:k])
-            if k != len(ids):
-                return self._encode(text)
+            ids = self._encode("".join(parts[i] for i in new))
+            # each word's ids: those spelling its bytes (the ids' byte ends meet the words' byte ends)
+            ends = np.cumsum(self._n_bytes[np.asarray(ids, dtype=np.int64)]) if ids else np.zeros(0, np.int64)
+            word_ends = np.cumsum([len(parts[i].encode("utf-8")) for i in new])
+            cut = np.searchsorted(ends, word_ends) + 1
+            if len(ends) == 0 or cut[-1] != len(ends) or not np.array_equal(ends[cut - 1], word_ends) \
+                    or (np.diff(cut, prepend=0) <= 0).any():
+                return self._encode(text)  # ids not split at the words: not this rule's tokenizer
+            for i, lo, hi in zip(new, [0, *cut[:-1].tolist()], cut.tolist()):
+                found[i] = tuple(ids[lo:hi])
             if len(words) + len(new) > MAX_WORDS:
                 words.clear()
             for i in new:
