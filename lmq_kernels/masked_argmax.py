@@ -29,7 +29,7 @@ __all__ = ["masked_argmax_k", "masked_argmax_k_reference"]
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "CHUNK", "SPLITS"])  # one compiled kernel for every batch size
 def _masked_argmax_kernel(LOGITS, stride_lb, MASKS, stride_mk, OUT, stride_ok, PART_V, PART_I, V, K, CHUNK,
                           SPLITS, K_PAD: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
     """Program (b, s): row b's columns [s CHUNK, (s + 1) CHUNK) under every mask; its best value and index per
@@ -64,7 +64,7 @@ def _masked_argmax_kernel(LOGITS, stride_lb, MASKS, stride_mk, OUT, stride_ok, P
         tl.store(PART_I + at, best_i, mask=has_k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "SPLITS"])
 def _combine_kernel(PART_V, PART_I, OUT, stride_ok, K, SPLITS, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """Row b: per mask, the index of the first split with the largest best value (the splits run in column
     order, so that is the first index overall)."""
@@ -112,7 +112,7 @@ def masked_argmax_k(logits: torch.Tensor, masks: torch.Tensor, out: torch.Tensor
                                        out.stride(0), part_v, part_i, V, K, chunk, splits, K_PAD=k_pad,
                                        BLOCK=BLOCK, DIRECT=direct)
     if not direct:
-        _combine_kernel[(B,)](part_v, part_i, out, out.stride(0), K, splits, K_PAD=k_pad,
-                              S_PAD=triton.next_power_of_2(splits))
+        _combine_kernel[(B,)](part_v, part_i, out, out.stride(0), K, splits, K_PAD=k_pad,  # (S_PAD: the most
+                              S_PAD=triton.next_power_of_2(min(tiles, 2 * sm_count(logits.device))))  # splits)
     return out
 

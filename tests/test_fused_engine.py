@@ -141,3 +141,31 @@ async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
     decoder = ahead.runner._decoder[0]
     assert any(sampling for _, _, sampling in decoder.graphs)
     assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each of the engine's Triton kernels holds (on the current GPU)."""
+    from lmq_backend.engine.fused import kernels
+    from lmq_kernels import decode_attention, masked_argmax, prefill_attention
+
+    jitted = [kernels._rmsnorm_kernel, kernels._silu_mul_kernel, kernels._rope_append_kernel,
+              prefill_attention._prefill_kernel, decode_attention._decode_stage1, masked_argmax._masked_argmax_kernel,
+              masked_argmax._combine_kernel]
+    device = torch.cuda.current_device()
+    return {fn.__name__: len(fn.device_caches[device][0]) for fn in jitted}  # (triton 3.x: kernel cache first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_new_prompt_lengths_and_batch_sizes_compile_no_kernel_again(tokenizer):
+    """Triton compiles a kernel again (0.2-3 s, a stall of every query) when an int argument or a pointer's
+    16-byte alignment changes: prompts of every length and prefills of 1-6 rows use the kernels the first
+    queries compiled."""
+    backend = lmq.HFBackend.from_model(llama("cuda", 256, 2, 4), tokenizer, name="variants")
+    q = lmq.Query('"{x} and[A]" where len(TOKENS(A)) < 4', model=backend)
+    await asyncio.gather(*(q.run({"x": f"warm {i}"}) for i in range(3)))  # prefill and decode of a few rows
+    before = compiled_variants()
+    for rows in range(1, 7):  # every prefill length from 1 to 40 new tokens, odd and even, 1 to 6 rows at once
+        await asyncio.gather(*(q.run({"x": f"r{rows} " + "w " * (rows * 7 + i)}) for i in range(rows)))
+    await q.run({"x": "long " * 1500})
+    await asyncio.gather(*(q.run({"x": f"after {i}"}) for i in range(5)))
+    assert compiled_variants() == before

@@ -67,6 +67,7 @@ def test_a_shift_within_the_table_keeps_it():
     pool = KVPool(store, rows=2, columns=256)
     pool.make_room(1, 300, extra=2)                      # regrown: 300 tokens do not fit left of end 128
     grown = pool.table
+    assert grown.shape[1] % 16 == 0                      # (the GPU kernels' alignment, see COLUMN_ALIGN)
     pool.add_rows([300])
     pool.clear()
     pool.make_room(1, 300, extra=2)                      # end is back at the headroom: a shift

@@ -21,9 +21,15 @@ import torch
 
 from ..cache.kv_store import ZERO_SLOT, KVStore
 
+# The table's columns are a multiple of this: its row stride and every row's address keep the alignment the
+# GPU kernels were compiled for (Triton compiles a kernel again, ~0.2-1.5 s, when an int32 stride stops being
+# a multiple of 16 or a pointer of 16 bytes).
+COLUMN_ALIGN = 16
+
 
 class KVPool:
     def __init__(self, store: KVStore, rows: int = 4, columns: int = 256, headroom: int = 128):
+        assert columns % COLUMN_ALIGN == 0, columns
         self.store = store
         self.shape = store.shape
         self.dtype, self.device = store.dtype, store.device
@@ -79,6 +85,7 @@ class KVPool:
         shift = self.end - new_end
         needed = new_end + (self.ahead - self.end) + extra + 1 + self.headroom
         columns = max(needed, 5 * self.column_capacity // 4) if needed > self.column_capacity else self.column_capacity
+        columns = -(-columns // COLUMN_ALIGN) * COLUMN_ALIGN
         row_capacity = max(3 * self.row_capacity // 2, rows) if rows > self.row_capacity else self.row_capacity
         lo = used_from - shift
         if (row_capacity, columns) == tuple(self.table.shape):

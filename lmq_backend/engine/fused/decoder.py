@@ -68,23 +68,25 @@ class FusedDecoder(GraphSteps, Prefill):
         self.max_batch = min(int(max_batch), table.shape[0])
         self.use_graphs = bool(use_graphs) and self.cuda
         # static inputs (graph-captured steps read these): one int32 buffer, so that a step's inputs travel
-        # to the device in one copy from a pinned host mirror (`step_host`)
+        # to the device in one copy from a pinned host mirror (`step_host`); its parts `w` int32 apart, every
+        # part at a multiple of 16 bytes (the alignment the kernels were compiled for, whatever max_batch)
         n, dev = self.max_batch, self.device
-        self._inputs = torch.zeros(6 * n + 3, dtype=torch.int32, device=dev)
-        self._host = torch.zeros(6 * n + 3, dtype=torch.int32, pin_memory=self.cuda)
+        self._width = w = -(-n // 4) * 4
+        self._inputs = torch.zeros(6 * w + 12, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(6 * w + 12, dtype=torch.int32, pin_memory=self.cuda)
         self._host_free = torch.cuda.Event() if self.cuda else None   # the last copy out of _host is done
         self.tokens = self._inputs[:n]
-        self.positions = self._inputs[n:2 * n]
-        self.start = self._inputs[2 * n:3 * n]
+        self.positions = self._inputs[w:w + n]
+        self.start = self._inputs[2 * w:2 * w + n]
         self.start.fill_(self.S)
         # per row, the device's pick from the step's logits (and a run-ahead step's token): under mask
         # `ahead`, greedy where `temperature` is 0, else sampled at the uniform `u` (float32 bits)
-        self.ahead = self._inputs[3 * n:4 * n]
-        self.temperature = self._inputs[4 * n:5 * n].view(torch.float32)
-        self.u = self._inputs[5 * n:6 * n].view(torch.float32)
-        self.end = self._inputs[6 * n:6 * n + 1]            # column the new token goes to
-        self.end1 = self._inputs[6 * n + 1:6 * n + 2]       # end + 1 (attention's exclusive end)
-        self.nrows = self._inputs[6 * n + 2:]               # real rows (< bucket: padding)
+        self.ahead = self._inputs[3 * w:3 * w + n]
+        self.temperature = self._inputs[4 * w:4 * w + n].view(torch.float32)
+        self.u = self._inputs[5 * w:5 * w + n].view(torch.float32)
+        self.end = self._inputs[6 * w:6 * w + 1]            # column the new token goes to
+        self.end1 = self._inputs[6 * w + 4:6 * w + 5]       # end + 1 (attention's exclusive end)
+        self.nrows = self._inputs[6 * w + 8:6 * w + 9]      # real rows (< bucket: padding)
         self._end_int, self._nrows_int, self._first_int = 0, 0, 0       # CPU steps read these
         # activations, sliced per bucket
         qkv_n = (self.Hq + 2 * self.H_kv) * self.D
@@ -119,7 +121,7 @@ class FusedDecoder(GraphSteps, Prefill):
             # per mask the greedy picks, then (row K) the sampled ones
             self.guess = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, device=dev)
             self._guess_host = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, pin_memory=True)
-            self._run_host = torch.zeros(3 * n, dtype=torch.int32, pin_memory=True)
+            self._run_host = torch.zeros(3 * w, dtype=torch.int32, pin_memory=True)
             self._run_free = torch.cuda.Event()
 
     # ------------------------------------------------------------------------------------------ CPU steps
@@ -236,18 +238,18 @@ class FusedDecoder(GraphSteps, Prefill):
         self.cascade = cascade
         self.sampling = self.masks is not None and bool(draws)
         bp = self._check(B, end)
-        n = self.max_batch
+        w = self._width
         if self._host_free is not None:
             self._host_free.synchronize()     # the previous step's copy has left the pinned buffer
         h = self._host.numpy()
         h[:B] = tokens
-        h[B:n] = 0
-        h[2 * n:2 * n + B] = starts
-        h[2 * n + B:3 * n] = self.S           # padded rows attend to nothing
-        h[n:2 * n] = end - h[2 * n:3 * n]
-        h[n + B:2 * n] = 0
-        write_picks(h[3 * n:6 * n], self._ahead_used)
-        h[6 * n:] = (end, end + 1, B)
+        h[B:w] = 0
+        h[2 * w:2 * w + B] = starts
+        h[2 * w + B:3 * w] = self.S           # padded rows attend to nothing
+        h[w:2 * w] = end - h[2 * w:3 * w]
+        h[w + B:2 * w] = 0
+        write_picks(h[3 * w:6 * w], self._ahead_used)
+        h[6 * w], h[6 * w + 4], h[6 * w + 8] = end, end + 1, B
         self._first_int = min(starts)
         self._inputs.copy_(self._host, non_blocking=True)
         if self._host_free is not None:

@@ -113,10 +113,10 @@ class GraphSteps:
     def _set_ahead(self, used: tuple) -> None:
         """The picks of a run-ahead step ((masks, {row: (temperature, u)})), into the device's inputs (through a
         pinned buffer of their own: the step's inputs' buffer may still wait for the step before it)."""
-        n = self.max_batch
+        w = self._width
         self._run_free.synchronize()
         write_picks(self._run_host.numpy(), used)
-        self._inputs[3 * n:6 * n].copy_(self._run_host, non_blocking=True)
+        self._inputs[3 * w:6 * w].copy_(self._run_host, non_blocking=True)
         self._run_free.record()
         self._ahead_used = used
 
@@ -160,7 +160,7 @@ class DevicePicks:
 
 def write_picks(h, used: tuple) -> None:
     """A step's picks ((masks, {row: (temperature, u)})) into the host mirror of the inputs `ahead`,
-    `temperature`, `u` (three slices of n int32; the floats as their bits), zeros past the rows."""
+    `temperature`, `u` (three parts of w int32 each; the floats as their bits), zeros past the rows."""
     n, (masks, draws) = len(h) // 3, used
     h[:len(masks)] = masks
     h[len(masks):] = 0

@@ -51,10 +51,12 @@ class Prefill(LayerOps):
         if not all(ids for ids, _ in rows) or slot + B > self.table.shape[0] or not T <= end <= self.S:
             raise ValueError(f"prefill of {B} rows x {T} tokens at slot {slot}, end {end} does not fit the pool")
         N, dev = B * T, self.device
-        # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1, B
-        host = torch.full((2 * N + B + 2,), -1, dtype=torch.int32)
+        # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1,
+        # B; each part at a multiple of 16 bytes (the alignment the kernels were compiled for, whatever N and B)
+        at = np.cumsum([0] + [-(-n // 4) * 4 for n in (N, N, B, 1, 1)]).tolist()
+        host = torch.full((at[-1],), -1, dtype=torch.int32)
         h = host.numpy()
-        ids_h, pos_h = h[:N].reshape(B, T), h[N:2 * N].reshape(B, T)
+        ids_h, pos_h = h[:N].reshape(B, T), h[at[1]:at[1] + N].reshape(B, T)
         m = np.array([len(ids) for ids, _ in rows])
         cached = np.array([c for _, c in rows])
         real = np.arange(T)[None, :] >= (T - m)[:, None]                       # [B, T]: not padding
@@ -62,11 +64,11 @@ class Prefill(LayerOps):
         ids_h[real] = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in rows), np.int32, int(m.sum()))
         pos_h[:] = np.where(real, cached[:, None] - (T - m)[:, None] + np.arange(T)[None, :], -1)
         starts = (end - cached - m).tolist()
-        h[2 * N:2 * N + B] = starts
-        h[2 * N + B:] = (end - 1, B)
+        h[at[2]:at[2] + B] = starts
+        h[at[3]], h[at[4]] = end - 1, B
         inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
-        ids_d, pos_d, starts_d = inputs[:N], inputs[N:2 * N], inputs[2 * N:2 * N + B]
-        end_d, nrows_d = inputs[2 * N + B:2 * N + B + 1], inputs[2 * N + B + 1:]
+        ids_d, pos_d, starts_d = inputs[:N], inputs[at[1]:at[1] + N], inputs[at[2]:at[2] + B]
+        end_d, nrows_d = inputs[at[3]:at[3] + 1], inputs[at[4]:at[4] + 1]
         hq, d = self.Hq, self.D
         if not self.triton:
             attend = self._cpu_attention(B, T, starts, starts_d, slot, end, torch.from_numpy(m.astype(np.int32)))
