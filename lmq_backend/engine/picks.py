@@ -41,27 +41,34 @@ class Draw:
 
 def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row):
-    one softmax, one cumulative sum, one search (`inverse_cdf`). Returns [R] int64 on the logits' device. A
-    row's token is the same whatever rows share the call (each row's arithmetic is its own; the rows that
-    cut a nucleus are sorted apart from those that do not)."""
+    on a GPU two passes over the rows (`lmq_kernels.sample_rows`, the kernel a decode step's graph samples
+    with, so that the host and the device pick alike), else one softmax, one cumulative sum, one search
+    (`inverse_cdf`); rows that cut a nucleus by `inverse_cdf` everywhere. Returns [R] int64 on the logits'
+    device. A row's token is the same whatever rows share the call (each row's arithmetic is its own; the
+    rows that cut a nucleus are sorted apart from those that do not)."""
     device, r = logits.device, logits.shape[0]
-    z = _masked(logits.float(), [d.allowed for d in draws])
     temperature = _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device)
     u = _column([d.u for d in draws], device)
+    picks = torch.empty(r, dtype=torch.long, device=device)
+    plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
     nucleus = [i for i, d in enumerate(draws) if d.top_p < 1]
-    if not nucleus:
-        picks = inverse_cdf(z, temperature, u)
-    else:
-        picks = torch.empty(r, dtype=torch.long, device=device)
-        plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
-        for rows, top_p in ((plain, None), (nucleus, _column([draws[i].top_p for i in nucleus], device))):
-            if rows:
-                idx = torch.tensor(rows, device=device)
-                picks[idx] = inverse_cdf(z[idx], temperature[idx], u[idx], top_p)
+    for rows, top_p in ((plain, None), (nucleus, _column([draws[i].top_p for i in nucleus], device))):
+        if not rows:
+            continue
+        idx = torch.tensor(rows, device=device)
+        part = logits if len(rows) == r else logits[idx]
+        masks = [draws[i].allowed for i in rows]
+        if top_p is None and device.type == "cuda":
+            from lmq_kernels.sample_rows import sample_rows  # (imports triton: not at start-up)
+
+            table, index = _mask_table(masks, logits.shape[1], device)
+            picks[idx] = sample_rows(part, table, index, temperature[idx, 0], u[idx, 0])
+        else:
+            picks[idx] = inverse_cdf(_masked(part.float(), masks), temperature[idx], u[idx], top_p)
     greedy = [i for i, d in enumerate(draws) if d.temperature <= 0]
     if greedy:
         idx = torch.tensor(greedy, device=device)
-        picks[idx] = z[idx].argmax(-1)
+        picks[idx] = _masked(logits[idx].float(), [draws[i].allowed for i in greedy]).argmax(-1)
     return picks
 
 
@@ -94,20 +101,29 @@ def _masked(z: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
 
 def _stacked(masks: list[torch.Tensor | None], v: int, device: torch.device) -> torch.Tensor | None:
     """Row i's mask (bool [V], None: every token) as row i of a [R, V] (or, one mask for all, [1, V]) bool
-    tensor on `device`, each distinct mask moved once; None where no row has a mask."""
+    tensor on `device`; None where no row has a mask."""
+    table, index = _mask_table(masks, v, device)
+    if table is None or len(table) == 1:
+        return table
+    return table[index]
+
+
+def _mask_table(masks: list[torch.Tensor | None], v: int, device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The distinct masks (bool [M, V] on `device`, each moved once; None where no row has a mask) and row i's
+    (int32 [R] on `device`)."""
     index: dict[int, int] = {}
     unique: list[torch.Tensor | None] = []
     for m in masks:
         if id(m) not in index:
             index[id(m)] = len(unique)
             unique.append(m)
+    rows = torch.tensor([index[id(m)] for m in masks], dtype=torch.int32, device=device)
     if all(m is None for m in unique):
-        return None
+        return None, torch.zeros_like(rows)
     on = [torch.ones(v, dtype=torch.bool, device=device) if m is None else m.to(device, non_blocking=True)
           for m in unique]
-    if len(on) == 1:
-        return on[0][None]
-    return torch.stack(on)[torch.tensor([index[id(m)] for m in masks], device=device)]
+    return torch.stack(on), rows
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from lmq_kernels.masked_argmax import masked_argmax_k
+from lmq_kernels.sample_rows import sample_rows
 
 from ..picks import inverse_cdf, masked_argmax
 
@@ -33,7 +34,7 @@ class GraphSteps:
     def _pick_and_advance(self, bp: int) -> None:
         """Greedy picks under each mask (`masked_argmax_k`: the picks of `masked_argmax`, as `Greedy.select`
         picks, in one pass over the logits), where a row's pick is sampled (a `sampling` step) its sample
-        under its `ahead` mask at its `u` (`inverse_cdf`, as `picks.sample` samples), and, in a captured step,
+        under its `ahead` mask at its `u` (`sample_rows`, as `picks.sample` samples), and, in a captured step,
         the inputs of the step after it: each row's pick, one position and one column further (a run-ahead
         replays the same graph on them)."""
         k = len(self.masks)
@@ -45,10 +46,13 @@ class GraphSteps:
         mask = self.ahead[:bp].long()
         chosen = picks.gather(0, mask[None])[0]
         if self.sampling:
-            t = self.temperature[:bp, None]
-            z = torch.where(self.masks[mask], logits.float(), float("-inf"))
-            self.guess[k, :bp].copy_(inverse_cdf(z, torch.where(t > 0, t, 1.0), self.u[:bp, None]))
-            chosen = torch.where(t[:, 0] > 0, self.guess[k, :bp], chosen)
+            t = self.temperature[:bp]
+            if self.triton:  # two passes over the logits (as `picks.sample` samples on a GPU)
+                sample_rows(logits, self.masks, self.ahead[:bp], t, self.u[:bp], out=self.guess[k, :bp])
+            else:
+                z = torch.where(self.masks[mask], logits.float(), float("-inf"))
+                self.guess[k, :bp].copy_(inverse_cdf(z, torch.where(t > 0, t, 1.0)[:, None], self.u[:bp, None]))
+            chosen = torch.where(t > 0, self.guess[k, :bp], chosen)
         if self.use_graphs:
             self.tokens[:bp].copy_(chosen)
             self.positions[:bp].add_(1)
