@@ -106,8 +106,13 @@ async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokeniz
     """Seeded sampling rows and greedy rows (which run steps ahead on the device while they are alone) in
     one batch, float32: every query gets the values it gets alone; the steps sampled their rows together.
     (No top_p here: a random model's flat distribution puts thousands of near-ties at a nucleus's edge, where
-    the last bits of a logit, which the cache may change, decide which tokens are in it.)"""
-    backend = lmq.HFBackend.from_model(llama(device, 256, 2, 4), tokenizer, name="mixed")
+    the last bits of a logit, which the cache may change, decide which tokens are in it. For the same reason
+    the LM head is scaled up to a trained model's peaked distributions: on a GPU cuBLAS picks its GEMM kernels
+    by the number of rows, so a row's logits may differ in their last bits batched and alone, and on a random
+    model's flat distribution, where a token's share of the cumulative mass is ~1e-5, that moves a sample.)"""
+    model = llama(device, 256, 2, 4)
+    model.lm_head.weight.data *= 10
+    backend = lmq.HFBackend.from_model(model, tokenizer, name="mixed")
     assert backend.runner.fused
     sampled, greedy = lmq.Query(SAMPLED, model=backend), lmq.Query(GREEDY, model=backend)
     words = ["cats", "the sea", "old maps", "tea"]
@@ -145,12 +150,14 @@ async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
 
 def compiled_variants() -> dict[str, int]:
     """How many compiled variants each of the engine's Triton kernels holds (on the current GPU)."""
-    from lmq_backend.engine.fused import kernels
-    from lmq_kernels import decode_attention, masked_argmax, prefill_attention
+    from lmq_backend.engine.fused.kernels import _rmsnorm_kernel, _rope_append_kernel, _silu_mul_kernel
+    from lmq_kernels.decode_attention import _decode_stage1
+    from lmq_kernels.masked_argmax import _combine_kernel, _masked_argmax_kernel
+    from lmq_kernels.prefill_attention import _prefill_kernel
+    from lmq_kernels.sample_rows import _first_crossing, _split_search, _split_sums
 
-    jitted = [kernels._rmsnorm_kernel, kernels._silu_mul_kernel, kernels._rope_append_kernel,
-              prefill_attention._prefill_kernel, decode_attention._decode_stage1, masked_argmax._masked_argmax_kernel,
-              masked_argmax._combine_kernel]
+    jitted = [_rmsnorm_kernel, _silu_mul_kernel, _rope_append_kernel, _prefill_kernel, _decode_stage1,
+              _masked_argmax_kernel, _combine_kernel, _split_sums, _split_search, _first_crossing]
     device = torch.cuda.current_device()
     return {fn.__name__: len(fn.device_caches[device][0]) for fn in jitted}  # (triton 3.x: kernel cache first)
 
@@ -168,4 +175,8 @@ async def test_new_prompt_lengths_and_batch_sizes_compile_no_kernel_again(tokeni
         await asyncio.gather(*(q.run({"x": f"r{rows} " + "w " * (rows * 7 + i)}) for i in range(rows)))
     await q.run({"x": "long " * 1500})
     await asyncio.gather(*(q.run({"x": f"after {i}"}) for i in range(5)))
+    sampled = lmq.Query('sample(n=3, temperature=0.8, seed=1)\n"{x} and[A]" where len(TOKENS(A)) < 4', model=backend)
+    await sampled.run({"x": "warm"})
+    before.update({k: v for k, v in compiled_variants().items() if k.startswith(("_split", "_first"))})
+    await asyncio.gather(*(sampled.run({"x": "s " * i}) for i in range(1, 6)))
     assert compiled_variants() == before
