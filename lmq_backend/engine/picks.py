@@ -50,8 +50,8 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     temperature = _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device)
     u = _column([d.u for d in draws], device)
     picks = torch.empty(r, dtype=torch.long, device=device)
-    plain = [i for i, d in enumerate(draws) if d.top_p >= 1]
-    nucleus = [i for i, d in enumerate(draws) if d.top_p < 1]
+    plain = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p >= 1]
+    nucleus = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p < 1]
     for rows, top_p in ((plain, None), (nucleus, _column([draws[i].top_p for i in nucleus], device))):
         if not rows:
             continue
