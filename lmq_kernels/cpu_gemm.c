@@ -171,6 +171,22 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
     if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
 }
 
+/* Thread t of nt's share of y (+)= x @ w over panel-major weights: w holds N / P panels of P columns (a
+ * multiple of NB), each [K, P] contiguous ([N / P][K][P]); a thread takes a contiguous range of panels, so
+ * that it streams one contiguous region of memory. (Two threads that each read their half of every row of
+ * K-major weights stream at 12.5-21 GB/s on a 2-core Zen 4, varying by run; panels at 44 GB/s in every
+ * run: benchmarks/RESULTS.md, seventeenth session.) Each output is the same FMA chain over k as with K-major
+ * weights: the same bits. */
+void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, float *y, long ldy,
+                           int M, long K, long N, int accumulate, int t, int nt) {
+    const long panels = N / P;
+    if (nt > panels) nt = panels > 0 ? (int)panels : 1;
+    if (K * N < LMQ_GEMM_SERIAL_BELOW) nt = 1;
+    if (t >= nt) return;
+    for (long p = panels * t / nt; p < panels * (t + 1) / nt; p++)
+        columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P);
+}
+
 /* y (+)= x @ w on `threads` threads (lmq_gemm_share each). Row strides ldx, ldw, ldy in elements; the last
  * dimension of each is contiguous. */
 void lmq_small_m_gemm(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,

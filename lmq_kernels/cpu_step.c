@@ -19,19 +19,21 @@
  * as there, so a row's bits do not depend on the batch, the thread count or which of the two paths ran
  * (when the per-op path runs lmq's kernels; calibration picks between the paths: cpu_step.py).
  *
- * Weights: float32 K-major ([K, N], row stride ldw: cpu_gemm.c), int8 or int4 [N, K] (cpu_qgemm.c).
+ * Weights: float32 K-major ([K, N], row stride ldw: cpu_gemm.c) or panel-major ([N / P][K][P]: each thread
+ * streams a contiguous region, lmq_gemm_panels_share), int8 or int4 [N, K] (cpu_qgemm.c).
  */
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
-enum { W_F32 = 0, W_I8 = 1, W_I4 = 2 };
+enum { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_F32_PANELS = 3 };
 
 typedef struct {
-    int kind;                      /* W_F32, W_I8, W_I4 */
+    int kind;                      /* W_F32, W_I8, W_I4, W_F32_PANELS */
     long n, k;                     /* y[M, n] (+)= x[M, k] @ W */
-    const void *w;                 /* float32 [k, n] K-major | int8 [n, k] | uint8 [n, k / 2] */
-    long ldw;                      /* float32: the row stride of [k, n] */
+    const void *w;                 /* float32 [k, n] K-major | int8 [n, k] | uint8 [n, k / 2] |
+                                      float32 [n / P][k][P] panel-major */
+    long ldw;                      /* float32: the row stride of [k, n]; panels: P */
     const float *scale, *zero;     /* int8: scale [n, k / 32]; int4: d and m [n, k / 32] */
 } lmq_weight;
 
@@ -45,6 +47,8 @@ typedef struct {
 
 void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
                     int M, long K, long N, int accumulate, int t, int nt);
+void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, float *y, long ldy,
+                           int M, long K, long N, int accumulate, int t, int nt);
 void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
                         int M, long K, long N, int accumulate, int t, int nt);
 void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
@@ -67,6 +71,9 @@ static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, lo
     switch (w->kind) {
     case W_F32:
         lmq_gemm_share(a, lda, (const float *)w->w, w->ldw, y, ldy, M, w->k, w->n, acc, t, nt);
+        break;
+    case W_F32_PANELS:
+        lmq_gemm_panels_share(a, lda, (const float *)w->w, w->ldw, y, ldy, M, w->k, w->n, acc, t, nt);
         break;
     case W_I8:
         lmq_qgemm_i8_share(a, lda, (const signed char *)w->w, w->scale, y, ldy, M, w->k, w->n, acc, t, nt);

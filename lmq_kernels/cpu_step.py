@@ -22,7 +22,8 @@ from . import cpu
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "MAX_ROWS"]
 
 MAX_ROWS = 16   # the rows the quantized and small-M GEMMs are run at in a decode step
-W_F32, W_I8, W_I4 = 0, 1, 2
+W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
+PANEL = 64      # columns of a panel of float32 weights (a multiple of every target's vector; cpu_gemm.c)
 _p, _l, _f, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
 
@@ -40,13 +41,21 @@ class _CLayer(ctypes.Structure):
 @dataclass
 class Weight:
     """y = x @ W^T, W [n, k]: float32 `w_t` [k, n] (K-major, unit column stride), or int8 q [n, k] + scale
-    [n, k/32], or int4 q uint8 [n, k/2] + scale (d) and zero (m) [n, k/32] (cpu_qgemm.c)."""
+    [n, k/32], or int4 q uint8 [n, k/2] + scale (d) and zero (m) [n, k/32] (cpu_qgemm.c). A float32 weight
+    whose n is a multiple of PANEL is read from `panels` ([n / PANEL, k, PANEL], a copy made here): two
+    threads that each read their half of every K-major row stream at half the speed of panels or worse
+    (cpu_gemm.c, `lmq_gemm_panels_share`)."""
     n: int
     k: int
     w_t: torch.Tensor | None = None
     q: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.w_t is not None and self.panels is None and self.n % PANEL == 0 and self.ok():
+            self.panels = self.w_t.reshape(self.k, self.n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
     def ok(self) -> bool:
         if self.w_t is not None:
@@ -57,6 +66,8 @@ class Weight:
             and self.q.shape[0] == self.n
 
     def c(self) -> _CWeight:
+        if self.panels is not None:
+            return _CWeight(W_F32_PANELS, self.n, self.k, self.panels.data_ptr(), PANEL, None, None)
         if self.w_t is not None:
             return _CWeight(W_F32, self.n, self.k, self.w_t.data_ptr(), self.w_t.stride(0), None, None)
         kind = W_I4 if self.q.dtype == torch.uint8 else W_I8

@@ -22,6 +22,7 @@ from lmq_kernels import cpu
 from lmq_kernels.cpu_step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers
 
 from ..quantize import QuantizedLinear
+from .weights import loads
 
 __all__ = ["run_layers", "plan_for"]
 
@@ -56,9 +57,10 @@ def run_layers(decoder, bp: int) -> bool:
     docstring); False (nothing computed) otherwise."""
     if decoder.triton or bp > MAX_ROWS or not cpu.available():
         return False
-    plan = decoder.__dict__.get("_cpu_plan", False)
-    if plan is False:
-        plan = decoder._cpu_plan = plan_for(decoder)
+    plan, made = decoder.__dict__.get("_cpu_plan", (False, -1))
+    if plan is False or made != loads():  # (its panel-major weights are copies: a load makes them again)
+        plan = plan_for(decoder)
+        decoder._cpu_plan = (plan, loads())
     if plan is None:
         return False
     seen = decoder.__dict__.setdefault("_cpu_plan_seen", set())

@@ -119,10 +119,20 @@ def _place(dest: torch.Tensor, module, name: str, share: bool, filled: bool = Fa
             module._lmq_contiguous_state = True
 
 
+_LOADS = [0]  # loads that placed weights again (copies made from the laid-out weights are stale after one)
+
+
+def loads() -> int:
+    """How many `load_state_dict`s have placed laid-out weights again (in any model): a copy made from them
+    (the CPU step's panel-major weights, `fused/cpu_step.py`) is made again when this changed."""
+    return _LOADS[0]
+
+
 def _place_again(module, incompatible_keys) -> None:
     with torch.no_grad():
         for dest, source, name, share in module._lmq_bindings:
             _place(dest, source, name, share)
+    _LOADS[0] += 1
 
 
 def _contiguous_weight_state(module, state_dict, prefix, local_metadata) -> None:
