@@ -42,9 +42,9 @@ class _CLayer(ctypes.Structure):
 class Weight:
     """y = x @ W^T, W [n, k]: float32 `w_t` [k, n] (K-major, unit column stride), or int8 q [n, k] + scale
     [n, k/32], or int4 q uint8 [n, k/2] + scale (d) and zero (m) [n, k/32] (cpu_qgemm.c). A float32 weight
-    whose n is a multiple of PANEL is read from `panels` ([n / PANEL, k, PANEL], a copy made here): two
-    threads that each read their half of every K-major row stream at half the speed of panels or worse
-    (cpu_gemm.c, `lmq_gemm_panels_share`)."""
+    whose n is a multiple of PANEL is read from `panels` ([n / PANEL, k, PANEL], a copy made here unless
+    `panel` is False): two threads that each read their half of every K-major row stream at half the speed
+    of panels or worse (cpu_gemm.c, `lmq_gemm_panels_share`)."""
     n: int
     k: int
     w_t: torch.Tensor | None = None
@@ -52,9 +52,10 @@ class Weight:
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
     panels: torch.Tensor | None = None
+    panel: bool = True
 
     def __post_init__(self):
-        if self.w_t is not None and self.panels is None and self.n % PANEL == 0 and self.ok():
+        if self.panel and self.w_t is not None and self.panels is None and self.n % PANEL == 0 and self.ok():
             self.panels = self.w_t.reshape(self.k, self.n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
     def ok(self) -> bool:

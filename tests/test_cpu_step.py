@@ -58,9 +58,18 @@ def per_op(monkeypatch, model, **kw):
         return prefill_then_steps(model, **kw)
 
 
+@pytest.mark.parametrize("panels", [True, False], ids=["panel-major", "k-major"])
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "int8", "int4"])
-def test_fused_layers_give_the_per_op_steps_bits(arch, target, monkeypatch, count_fused):
+def test_fused_layers_give_the_per_op_steps_bits(arch, target, panels, monkeypatch, count_fused):
+    if not panels:  # float32 weights read K-major (a model whose panel copies would not fit the memory bound)
+        if arch in ("int8", "int4"):
+            pytest.skip("quantized weights have no panels")
+        monkeypatch.setattr(cpu_step, "PANELS_MAX_MEMORY", 0)
+    from lmq_kernels import cpu_step as c_step
+
+    kinds, c = [], c_step.Weight.c
+    monkeypatch.setattr(c_step.Weight, "c", lambda w: (kinds.append(c(w).kind), c(w))[1])
     lib = cpu.build(target)
     assert lib is not None, cpu.build_error(target)
     model = model_of(arch, seed=1)
@@ -68,6 +77,8 @@ def test_fused_layers_give_the_per_op_steps_bits(arch, target, monkeypatch, coun
         fused = prefill_then_steps(model, steps=4, seed=2)
         assert sum(count_fused) == 3, count_fused   # the first step of a class runs the per-op loop
         assert_same_forwards(fused, per_op(monkeypatch, model, steps=4, seed=2), atol=0, rtol=0)
+    float32 = arch not in ("int8", "int4")
+    assert (c_step.W_F32_PANELS in kinds) == (float32 and panels) and (c_step.W_F32 in kinds) == (float32 and not panels)
 
 
 @pytest.mark.parametrize("arch", ["llama", "int4"])

@@ -16,6 +16,8 @@ runs the per-op loop: the per-op kernels' own first-use calibrations are not mea
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lmq_kernels import cpu
@@ -27,17 +29,34 @@ from .weights import loads
 __all__ = ["run_layers", "plan_for"]
 
 
-def _weight(w) -> Weight:
+PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most this share of the machine's memory
+
+
+def _weight(w, panels: bool) -> Weight:
     n, k = w.shape
     if isinstance(w, QuantizedLinear):
         return Weight(n, k, q=w.qweight, scale=w.scales, zero=w.zeros)
-    return Weight(n, k, w_t=w.t())
+    return Weight(n, k, w_t=w.t(), panel=panels)
+
+
+def _panels_fit(decoder) -> bool:
+    """Whether panel-major copies of the layers' float32 weights (`Weight`) fit PANELS_MAX_MEMORY of the
+    machine's memory (the default model: ~430 MB; a 1B-parameter model in float32 would double ~4.4 GB)."""
+    size = sum(w.numel() * w.element_size() for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)
+               if isinstance(w, torch.Tensor))
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return size <= PANELS_MAX_MEMORY * memory
 
 
 def plan_for(decoder) -> LayerPlan | None:
     """The decoder's layers as a `LayerPlan` (None where cpu_step.c cannot take them)."""
-    layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, _weight(lw.wqkv), _weight(lw.wo), _weight(lw.wgu),
-                    _weight(lw.wdown), decoder.k_cache[l], decoder.v_cache[l], lw.scaling, bqkv=lw.bqkv,
+    panels = _panels_fit(decoder)
+    layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, *(_weight(w, panels) for w in (lw.wqkv, lw.wo, lw.wgu,
+                                                                                   lw.wdown)),
+                    decoder.k_cache[l], decoder.v_cache[l], lw.scaling, bqkv=lw.bqkv,
                     q_norm=lw.q_norm, k_norm=lw.k_norm, qk_eps=lw.qk_eps)
               for l, lw in enumerate(decoder.layers)]
     try:
