@@ -62,6 +62,7 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
             from lmq_kernels.sample_rows import sample_rows  # (imports triton: not at start-up)
 
             table, index = _mask_table(masks, logits.shape[1], device)
+            index = torch.tensor(index, dtype=torch.int32, device=device)
             picks[idx] = sample_rows(part, table, index, temperature[idx, 0], u[idx, 0])
         else:
             picks[idx] = inverse_cdf(_masked(part.float(), masks), temperature[idx], u[idx], top_p)
@@ -105,22 +106,22 @@ def _stacked(masks: list[torch.Tensor | None], v: int, device: torch.device) -> 
     table, index = _mask_table(masks, v, device)
     if table is None or len(table) == 1:
         return table
-    return table[index]
+    return table[torch.tensor(index, device=device)]
 
 
 def _mask_table(masks: list[torch.Tensor | None], v: int, device: torch.device
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The distinct masks (bool [M, V] on `device`, each moved once; None where no row has a mask) and row i's
-    (int32 [R] on `device`)."""
+                ) -> tuple[torch.Tensor | None, list[int]]:
+    """The distinct masks (bool [M, V] on `device`, each moved once; None where no row has a mask) and the
+    index of row i's."""
     index: dict[int, int] = {}
     unique: list[torch.Tensor | None] = []
     for m in masks:
         if id(m) not in index:
             index[id(m)] = len(unique)
             unique.append(m)
-    rows = torch.tensor([index[id(m)] for m in masks], dtype=torch.int32, device=device)
+    rows = [index[id(m)] for m in masks]
     if all(m is None for m in unique):
-        return None, torch.zeros_like(rows)
+        return None, [0] * len(rows)
     on = [torch.ones(v, dtype=torch.bool, device=device) if m is None else m.to(device, non_blocking=True)
           for m in unique]
     return torch.stack(on), rows
