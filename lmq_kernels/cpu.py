@@ -92,6 +92,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmq_small_m_gemm.argtypes = [ptr, c_long, ptr, c_long, ptr, c_long, c_int, c_long, c_long,
                                      c_int, c_int]
     lib.lmq_small_m_gemm.restype = None
+    lib.lmq_small_m_gemm_panels.argtypes = lib.lmq_small_m_gemm.argtypes
+    lib.lmq_small_m_gemm_panels.restype = None
     lib.lmq_attention.argtypes = [ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long, c_long,
                                   ptr, c_long, ptr, ptr, c_long, c_long,
                                   c_int, c_int, c_int, c_long, c_int, ctypes.c_float, c_int]
@@ -239,10 +241,12 @@ def _up(n: int) -> int:
 
 
 def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
-               bias: torch.Tensor | None = None, rows: tuple[int, int] = (MIN_ROWS, GEMM_MAX_ROWS)) -> bool:
+               bias: torch.Tensor | None = None, rows: tuple[int, int] = (MIN_ROWS, GEMM_MAX_ROWS),
+               panels: torch.Tensor | None = None) -> bool:
     """out (+)= x @ w_t with the small-M kernel (with `bias`: out = bias + x @ w_t, each sum starting from
     the bias); False (nothing computed, `out` untouched) if it cannot run these operands or x's row count
-    is outside `rows` (inclusive)."""
+    is outside `rows` (inclusive). `panels`: w_t's panel-major copy (`cpu_step.panel_major`), read instead
+    where given (the same bits; two threads stream it faster than the K-major rows)."""
     m, k = x.shape
     if not rows[0] <= m <= rows[1]:
         return False
@@ -260,6 +264,11 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
     if bias is not None:
         out.copy_(bias.expand_as(out))
         accumulate = True
+    if panels is not None and panels.shape == (n // panels.shape[2], k, panels.shape[2]) \
+            and n % panels.shape[2] == 0 and panels.is_contiguous() and panels.dtype == torch.float32:
+        lib.lmq_small_m_gemm_panels(x.data_ptr(), x.stride(0), panels.data_ptr(), panels.shape[2], out.data_ptr(),
+                                    out.stride(0), m, k, n, int(accumulate), threads)
+        return True
     lib.lmq_small_m_gemm(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(0), out.data_ptr(), out.stride(0),
                          m, k, n, int(accumulate), threads)
     return True

@@ -198,6 +198,13 @@ void lmq_small_m_gemm(const float *x, long ldx, const float *w, long ldw, float 
     lmq_gemm_share(x, ldx, w, ldw, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
+/* y (+)= x @ w over panel-major weights (lmq_gemm_panels_share) on `threads` threads. */
+void lmq_small_m_gemm_panels(const float *x, long ldx, const float *w, long P, float *y, long ldy,
+                             int M, long K, long N, int accumulate, int threads) {
+    #pragma omp parallel num_threads(threads)
+    lmq_gemm_panels_share(x, ldx, w, P, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
+}
+
 /* The blocking this library was built with: {lanes, MR, NV, vector registers} (for tests and benchmarks). */
 void lmq_gemm_shape(int *out) {
     out[0] = LMQ_VL;

@@ -19,7 +19,7 @@ import torch
 
 from . import cpu
 
-__all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "MAX_ROWS"]
+__all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
 MAX_ROWS = 16   # the rows the quantized and small-M GEMMs are run at in a decode step
 W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
@@ -36,6 +36,12 @@ class _CLayer(ctypes.Structure):
                 ("eps", _f), ("qk_eps", _f), ("scaling", _f),
                 ("qkv", _CWeight), ("o", _CWeight), ("gu", _CWeight), ("down", _CWeight),
                 ("kc", _p), ("vc", _p), ("sks", _l), ("skh", _l), ("svs", _l), ("svh", _l)]
+
+
+def panel_major(w_t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of the K-major float32 [k, n] as [n / PANEL, k, PANEL] (None where n is no multiple of PANEL)."""
+    k, n = w_t.shape
+    return None if n % PANEL else w_t.reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
 
 @dataclass
@@ -55,8 +61,8 @@ class Weight:
     panel: bool = True
 
     def __post_init__(self):
-        if self.panel and self.w_t is not None and self.panels is None and self.n % PANEL == 0 and self.ok():
-            self.panels = self.w_t.reshape(self.k, self.n // PANEL, PANEL).permute(1, 0, 2).contiguous()
+        if self.panel and self.w_t is not None and self.panels is None and self.ok():
+            self.panels = panel_major(self.w_t)
 
     def ok(self) -> bool:
         if self.w_t is not None:

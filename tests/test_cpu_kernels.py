@@ -99,6 +99,23 @@ def test_matches_float64_reference(m, k, n, accumulate, kernels):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1024), (2, 96, 64), (5, 100, 192), (8, 576, 3072)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_panel_major_weights_give_the_k_major_bits(m, k, n, accumulate, kernels):
+    """The same weights read from their panel-major copy (`cpu_step.panel_major`, what the CPU step and its
+    LM head read): every output bit for bit as from the K-major rows, any row count and thread split."""
+    from lmq_kernels.cpu_step import panel_major
+
+    w = k_major(n, k, seed=m + k + n)
+    x, start = torch.randn(m, k), torch.randn(m, n)
+    k_major_out, panel_out = start.clone(), start.clone()
+    assert cpu.small_m_mm(x, w.t(), k_major_out, accumulate=accumulate, rows=ANY_ROWS)
+    assert cpu.small_m_mm(x, w.t(), panel_out, accumulate=accumulate, rows=ANY_ROWS, panels=panel_major(w.t()))
+    assert torch.equal(panel_out, k_major_out)
+    torch.testing.assert_close(panel_out.double(), (start.double() if accumulate else 0) + x.double() @ w.double().t(),
+                               rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
 def test_bias_starts_the_sums(kernels):
     w = k_major(70, 48, seed=4)
     x, bias = torch.randn(3, 48), torch.randn(70)

@@ -21,12 +21,12 @@ import os
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu_step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers
+from lmq_kernels.cpu_step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers, panel_major
 
 from ..quantize import QuantizedLinear
 from .weights import loads
 
-__all__ = ["run_layers", "plan_for"]
+__all__ = ["run_layers", "plan_for", "head_panels"]
 
 
 PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most this share of the machine's memory
@@ -40,15 +40,28 @@ def _weight(w, panels: bool) -> Weight:
 
 
 def _panels_fit(decoder) -> bool:
-    """Whether panel-major copies of the layers' float32 weights (`Weight`) fit PANELS_MAX_MEMORY of the
-    machine's memory (the default model: ~430 MB; a 1B-parameter model in float32 would double ~4.4 GB)."""
-    size = sum(w.numel() * w.element_size() for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)
-               if isinstance(w, torch.Tensor))
+    """Whether panel-major copies of the float32 weights (the layers' `Weight`s, the LM head: `head_panels`) fit
+    PANELS_MAX_MEMORY of the machine's memory (the default model: ~540 MB; a 1B-parameter model in float32
+    would double ~5 GB)."""
+    weights = [w for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [decoder.lm_head]
+    size = sum(w.numel() * w.element_size() for w in weights if isinstance(w, torch.Tensor))
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return False
     return size <= PANELS_MAX_MEMORY * memory
+
+
+def head_panels(decoder) -> torch.Tensor | None:
+    """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`; made again after a
+    load), where the copies fit (`_panels_fit`); else None (K-major)."""
+    made, panels = decoder.__dict__.get("_head_panels", (-1, None))
+    if made != loads():
+        w = decoder.lm_head
+        ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
+        panels = panel_major(w.t()) if ok else None
+        decoder._head_panels = (loads(), panels)
+    return panels
 
 
 def plan_for(decoder) -> LayerPlan | None:

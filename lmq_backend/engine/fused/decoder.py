@@ -49,7 +49,7 @@ from lmq_kernels import cpu, decode_attention
 from lmq_kernels.cpu_layout import padded_stride
 
 from ..attention import grouped_attention
-from .cpu_step import run_layers
+from .cpu_step import head_panels, run_layers
 from .graphs import DevicePicks, GraphSteps, bucket_for, write_picks
 from .prefill import Prefill
 
@@ -161,7 +161,7 @@ class FusedDecoder(GraphSteps, Prefill):
         if self.triton or not run_layers(self, bp):   # the CPU's layers in one C call where measured faster
             self._layers(bp)
         self._rmsnorm(x, self.final_norm, self.final_eps, h)
-        self._mm(h, self.lm_head, self.logits[:bp])                             # [bp, V]
+        self._mm(h, self.lm_head, self.logits[:bp], panels=None if self.triton else head_panels(self))  # [bp, V]
         if self.masks is not None:
             self._pick_and_advance(bp)
 

@@ -69,15 +69,15 @@ class LayerOps:
         self.v_cache = [kv[l, 1] for l in range(L)]
 
     def _mm(self, a: torch.Tensor, w: torch.Tensor | QuantizedLinear, out: torch.Tensor,
-            accumulate: bool = False, bias: torch.Tensor | None = None) -> None:
+            accumulate: bool = False, bias: torch.Tensor | None = None, panels: torch.Tensor | None = None) -> None:
         """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, 2 to 8 rows go through lmq's
         small-M kernel (`lmq_kernels.cpu`: K-major weights at close to memory speed, each output one
-        FMA chain whatever the batch), one row or more than 8 through BLAS. A quantized w multiplies in
-        its own kernel (`QuantizedLinear.mm`)."""
+        FMA chain whatever the batch; `panels`: w's panel-major copy, read instead), one row or more than 8
+        through BLAS. A quantized w multiplies in its own kernel (`QuantizedLinear.mm`)."""
         if isinstance(w, QuantizedLinear):
             w.mm(a, out, accumulate=accumulate, bias=bias)
             return
-        if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias):
+        if not self.cuda and cpu.small_m_mm(a, w.t(), out, accumulate=accumulate, bias=bias, panels=panels):
             return
         if accumulate:
             out.addmm_(a, w.t())
