@@ -47,7 +47,7 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     device. A row's token is the same whatever rows share the call (each row's arithmetic is its own; the
     rows that cut a nucleus are sorted apart from those that do not)."""
     device, r = logits.device, logits.shape[0]
-    temperature = _column([d.temperature if d.temperature > 0 else 1.0 for d in draws], device)
+    temperature = _column([d.temperature for d in draws], device)  # (greedy rows are not sampled below)
     u = _column([d.u for d in draws], device)
     picks = torch.empty(r, dtype=torch.long, device=device)
     plain = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p >= 1]

@@ -52,16 +52,24 @@ def _panels_fit(decoder) -> bool:
     return size <= PANELS_MAX_MEMORY * memory
 
 
-def head_panels(decoder) -> torch.Tensor | None:
-    """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`; made again after a
-    load), where the copies fit (`_panels_fit`); else None (K-major)."""
-    made, panels = decoder.__dict__.get("_head_panels", (-1, None))
+def _since_load(decoder, name: str, make):
+    """The decoder's `name`, made by `make()` at first use and again after each load (`weights.loads()`): what
+    holds copies of the weights (panel-major) is stale after one."""
+    made, value = decoder.__dict__.get(name, (-1, None))
     if made != loads():
+        value = make()
+        setattr(decoder, name, (loads(), value))
+    return value
+
+
+def head_panels(decoder) -> torch.Tensor | None:
+    """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`), where the copies fit
+    (`_panels_fit`); else None (K-major)."""
+    def make():
         w = decoder.lm_head
         ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
-        panels = panel_major(w.t()) if ok else None
-        decoder._head_panels = (loads(), panels)
-    return panels
+        return panel_major(w.t()) if ok else None
+    return _since_load(decoder, "_head_panels", make)
 
 
 def plan_for(decoder) -> LayerPlan | None:
@@ -89,10 +97,7 @@ def run_layers(decoder, bp: int) -> bool:
     docstring); False (nothing computed) otherwise."""
     if decoder.triton or bp > MAX_ROWS or not cpu.available():
         return False
-    plan, made = decoder.__dict__.get("_cpu_plan", (False, -1))
-    if plan is False or made != loads():  # (its panel-major weights are copies: a load makes them again)
-        plan = plan_for(decoder)
-        decoder._cpu_plan = (plan, loads())
+    plan = _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
     if plan is None:
         return False
     seen = decoder.__dict__.setdefault("_cpu_plan_seen", set())

@@ -225,7 +225,7 @@ class FusedDecoder(GraphSteps, Prefill):
         goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
         `ahead`: per row, the greedy mask the device picks the row's token under (a run-ahead step runs on
         it); `draws`: {row: (temperature, u, after)} for the rows whose pick is sampled instead (under that
-        mask at u, `picks.inverse_cdf`; a run-ahead step's at `after`); `key`: see `run_ahead`; `cascade`:
+        mask at u, as `picks.sample` samples; a run-ahead step's at `after`); `key`: see `run_ahead`; `cascade`:
         whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention then reads a
         shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
         B = len(tokens)
