@@ -1,9 +1,8 @@
-/* Weight-only quantized small-M GEMM for CPU decode steps: y[M, N] (+)= x[M, K] @ W^T, W [N, K] stored
+/* Weight-only int8 small-M GEMM for CPU decode steps: y[M, N] (+)= x[M, K] @ W^T, W [N, K] stored
  *
  *   int8   q int8 [N, K] row-major, scale [N, K / 32]:      w[n, k] = q[n, k] * scale[n, g], g = k / 32
- *   int4   q uint8 [N, K / 2], d and m [N, K / 32]:          w[n, k] = d[n, g] * q + m[n, g], g = k / 32,
- *          one 16-byte block per group (GGUF's Q4_1 order): element j < 16 in the low nibble of byte j,
- *          element j >= 16 in the high nibble of byte j - 16
+ *
+ * (int4 weights multiply int8-quantized activations instead: cpu_q4a8.c.)
  *
  * Why: torch's weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have no AVX2 path
  * worth the name: on Zen 3 (AVX2, 1 thread), 576x576 at 1 row, 1.4 and 2.4 ms against 0.06 ms for float32
@@ -39,11 +38,10 @@
 #endif
 #endif
 #define NB8 LMQ_QGEMM_NB8
-#define GROUP 32      /* int4 weights per (d, m) */
+#define GROUP 32      /* weights per scale */
 #define QSERIAL_BELOW (1L << 17)   /* weights of fewer elements run on one thread */
 
 typedef signed char vi8 __attribute__((vector_size(LMQ_VL)));
-typedef unsigned char vu8 __attribute__((vector_size(LMQ_VL)));
 
 /* LMQ_VL bytes widened to int lanes (sign- or zero-extended): GCC scalarizes a char -> float
  * __builtin_convertvector on x86, so the x86 targets use the extending loads */
@@ -59,17 +57,6 @@ static inline vfi widen_i8(const signed char *p) {
 #endif
 }
 
-static inline vfi widen_u8(const unsigned char *p) {
-#if defined(__AVX512F__) && LMQ_VL == 16
-    return (vfi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__) && LMQ_VL == 8
-    return (vfi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    vu8 b;
-    __builtin_memcpy(&b, p, sizeof(b));
-    return __builtin_convertvector(b, vfi);
-#endif
-}
 
 static inline float lanes_sum(vf a) {   /* lane 0 + lane 1 + ... in order */
     float s = 0.0f;
@@ -114,45 +101,7 @@ static inline __attribute__((always_inline)) void block_i8(
         for (int j = 0; j < V; j++) store_out(y + m * ldy + n + j, lanes_sum(a[m][j]), 1.0f, accumulate);
 }
 
-/* The same for an int4 weight (see the top for its layout). */
-static inline __attribute__((always_inline)) void block_i4(
-        const float *x, long ldx, const unsigned char *q, long K, const float *d, const float *mn,
-        float *y, long ldy, const int M, const int V, long n, int accumulate) {
-    vf a[8][NB];
-    const long groups = K / GROUP;
-    _Pragma("GCC unroll 8")
-    for (int m = 0; m < M; m++) for (int j = 0; j < V; j++) a[m][j] = (vf){0};
-    for (long g = 0; g < groups; g++) {
-        _Pragma("GCC unroll 8")
-        for (int p = 0; p < 16 / LMQ_VL; p++) {          /* LMQ_VL bytes: elements p VL.. (lo), 16 + p VL.. (hi) */
-            vf lo[NB], hi[NB];
-            _Pragma("GCC unroll 8")
-            for (int j = 0; j < V; j++) {
-                const vfi b = widen_u8(q + (n + j) * (K / 2) + g * 16 + p * LMQ_VL);
-                const vf dv = (vf){0} + d[(n + j) * groups + g], mv = (vf){0} + mn[(n + j) * groups + g];
-                lo[j] = __builtin_convertvector(b & 15, vf) * dv + mv;
-                hi[j] = __builtin_convertvector(b >> 4, vf) * dv + mv;
-            }
-            _Pragma("GCC unroll 8")
-            for (int m = 0; m < M; m++) {
-                const float *xr = x + m * ldx + g * GROUP + p * LMQ_VL;
-                const vf xl = load_f(xr), xh = load_f(xr + 16);
-                _Pragma("GCC unroll 8")
-                for (int j = 0; j < V; j++) {
-                    a[m][j] += xl * lo[j];       /* two FMAs (-ffp-contract=fast), in this order */
-                    a[m][j] += xh * hi[j];
-                }
-            }
-        }
-    }
-    _Pragma("GCC unroll 8")
-    for (int m = 0; m < M; m++)
-        _Pragma("GCC unroll 8")
-        for (int j = 0; j < V; j++) store_out(y + m * ldy + n + j, lanes_sum(a[m][j]), 1.0f, accumulate);
-}
-
 #define PASS_I8(R, V) block_i8(x + m0 * ldx, ldx, q, K, scale, y + m0 * ldy, ldy, R, V, n, accumulate)
-#define PASS_I4(R, V) block_i4(x + m0 * ldx, ldx, q, K, d, mn, y + m0 * ldy, ldy, R, V, n, accumulate)
 /* 8 rows at once, NB8 outputs at a time (the weight de-quantized once for 8 rows; at one output: 8 accumulators,
  * the weight's two vectors, x's two, d and m in 16 registers), then the rest MR rows x V outputs at a time */
 #define ROWS(PASS, V) { int m0 = 0; \
@@ -161,11 +110,10 @@ static inline __attribute__((always_inline)) void block_i4(
         for (; m0 < M; m0 += MR) { const int r = M - m0 < MR ? M - m0 : MR; \
         if (r >= 4) PASS(4, V); else if (r == 3) PASS(3, V); else if (r == 2) PASS(2, V); else PASS(1, V); } }
 #define ROWS_I8(V) ROWS(PASS_I8, V)
-#define ROWS_I4(V) ROWS(PASS_I4, V)
 
 /* Thread t of nt's share of y (+)= x @ W^T: a contiguous range of output blocks (NB outputs each); weights
  * under QSERIAL_BELOW elements on thread 0 alone. Called inside a parallel region (the entry points below,
- * or a fused step's: cpu_step.c); an output's bits do not depend on t, nt. K a multiple of 32 (int4) or of
+ * or a fused step's: cpu_step.c); an output's bits do not depend on t, nt. K a multiple of
  * LMQ_VL (int8). */
 void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
                         int M, long K, long N, int accumulate, int t, int nt) {
@@ -179,17 +127,6 @@ void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const fl
     }
 }
 
-void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
-                        float *y, long ldy, int M, long K, long N, int accumulate, int t, int nt) {
-    const long blocks = (N + NB - 1) / NB;
-    if (K * N < QSERIAL_BELOW) nt = 1;
-    if (t >= nt) return;
-    for (long b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-        long n = b * NB;
-        if (N - n >= NB) { ROWS_I4(NB) } else if (NB > 3 && N - n == 3) { ROWS_I4(3) }
-        else if (N - n == 2) { ROWS_I4(2) } else { ROWS_I4(1) }
-    }
-}
 
 /* y (+)= x @ W^T, int8 W, on `threads` threads. */
 void lmq_qgemm_i8(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
@@ -199,13 +136,6 @@ void lmq_qgemm_i8(const float *x, long ldx, const signed char *q, const float *s
     lmq_qgemm_i8_share(x, ldx, q, scale, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* y (+)= x @ W^T, int4 W with groups of 32 along K (K a multiple of 32), on `threads` threads. */
-void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
-                  float *y, long ldy, int M, long K, long N, int accumulate, int threads) {
-    if (K * N < QSERIAL_BELOW) threads = 1;
-    #pragma omp parallel num_threads(threads)
-    lmq_qgemm_i4_share(x, ldx, q, d, mn, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
-}
 
 /* The de-quantized weight, float32 [N, K] row-major (the GEMM of many rows: torch's BLAS on it). Products and
  * sums rounded one at a time (the empty asm keeps the product out of an FMA): the same bits as w = q * scale
@@ -233,21 +163,3 @@ void lmq_dequant_i8(const signed char *q, const float *scale, float *w, long N, 
         }
 }
 
-void lmq_dequant_i4(const unsigned char *q, const float *d, const float *mn, float *w, long N, long K,
-                    int threads) {
-    if (K * N < QSERIAL_BELOW) threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
-        for (long g = 0; g < K / GROUP; g++) {
-            const vf dv = (vf){0} + d[n * (K / GROUP) + g], mv = (vf){0} + mn[n * (K / GROUP) + g];
-            float *o = w + n * K + g * GROUP;
-            for (int i = 0; i < 16; i += LMQ_VL) {
-                const vfi b = widen_u8(q + n * (K / 2) + g * 16 + i);
-                vf lo = __builtin_convertvector(b & 15, vf) * dv, hi = __builtin_convertvector(b >> 4, vf) * dv;
-                ROUNDED(lo);
-                ROUNDED(hi);
-                store_f(o + i, lo + mv);
-                store_f(o + 16 + i, hi + mv);
-            }
-        }
-}

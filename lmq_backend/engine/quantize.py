@@ -2,23 +2,25 @@
 
 `QuantizedLinear` replaces a model's `nn.Linear` (or GPT-2's `Conv1D`) modules (`quantize_model`); the
 model's own forward (prefills, non-Llama models) calls it like the module it replaced, and the fused decode
-step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`. Activations stay float32; only
-the weights are stored small:
+step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`:
 
-    int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
-    int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
-                                             (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
+    int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32; x stays float32
+    int4   w = d[n, g] * q + m[n, g]          q in 0..15, d and m [N, K/32] (GGUF's Q4_1 values), stored in
+                                             panels of 16 outputs (lmq_kernels/cpu_q4a8.c); x is quantized to
+                                             int8 per group of 32 for the product (W4A8, as llama.cpp
+                                             multiplies Q4_1 weights with Q8_1 activations)
 
-The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
-(`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
+The int4 values are GGUF's Q4_1, so the default model's shipped weights load as they are
+(`backend/gguf_weights.py`). int8: up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
 (`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
 calibration measured it faster than the alternative; that alternative, more rows (long prefills), or no C
-compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, ~1 GB/s of weights
-where torch's passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
-kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32
-`torch.mm` on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
-depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
-or alone, as in float32.
+compiler, de-quantize the weight to float32 for that call (`dense`) and use torch's GEMM. int4: every row
+count in lmq's W4A8 kernel (`lmq_kernels.cpu.q4a8_mm`; torch's ops compute the same bits without a compiler):
+its integer dot products made an 8-row step's GEMMs 2.5x and a one-row step's 1.9x faster than the float
+kernel it replaced, and a prefill's 3x faster than torch's float32 GEMM (benchmarks/RESULTS.md). torch's own
+weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than
+float32 `torch.mm` on an AVX2 host (benchmarks/bench_quantized.py) and are not used. In both kinds each output
+depends on its own input row only, so greedy tokens are the same batched or alone, as in float32.
 """
 from __future__ import annotations
 
@@ -29,24 +31,28 @@ from lmq_kernels import cpu
 
 QUANTIZED_DTYPES = ("int8", "int4")
 GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
-# Up to this many rows (decode steps, short prefills) multiply in lmq's kernel, 16 rows a call; more
+# Up to this many rows (decode steps, short prefills) multiply in lmq's int8 kernel, 16 rows a call; more
 # (long prefills) de-quantize the weight once for the call and use torch's GEMM
 KERNEL_ROWS = 64
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K]."""
+    """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K].
+    Buffers: int8 qweight int8 [N, K], scales [N, K/32]; int4 (`from_q4_1`) the panels of cpu_q4a8.c: qweight
+    uint8 [ceil(N/16), 8 K], scales (d) and zeros (m) [ceil(N/16), K/32, 16]."""
 
     def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None, in_features: int):
+                 bias: torch.Tensor | None, in_features: int, out_features: int | None = None):
         super().__init__()
         assert kind in QUANTIZED_DTYPES and (zeros is None) == (kind == "int8"), kind
         self.kind, self.in_features = kind, int(in_features)
-        self.register_buffer("qweight", qweight.contiguous())   # int8 [N, K] | uint8 [N, K/2]
-        self.register_buffer("scales", scales.contiguous())     # [N, K/32] | d [N, K/32]
-        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())  # m [N, K/32]
+        self.out_features = int(qweight.shape[0] if out_features is None else out_features)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
         self.register_buffer("bias", bias)
-        self.out_features = int(qweight.shape[0])
+        assert cpu.quantized_layout_ok(self.qweight, self.scales, self.zeros, self.in_features), \
+            (kind, qweight.shape, scales.shape, in_features)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,31 +62,39 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
 
+    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int4: (q uint8 [N, K] in 0..15, d, m float32 [N, K/32])."""
+        return cpu.unpack_q4(self.qweight, self.scales, self.zeros, self.out_features)
+
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]."""
         n, k = self.shape
         if self.kind == "int8":
             return (self.qweight.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scales[..., None]).view(n, k)
-        b = self.qweight.view(n, k // GROUP_SIZE, 16)
-        q = torch.cat([b & 15, b >> 4], dim=-1).float()                             # [N, K/32, 32]
-        return q.mul_(self.scales[..., None]).add_(self.zeros[..., None]).view(n, k)  # rounded twice, no FMA
+        q, d, m = self.levels()
+        q = q.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+        return q.mul_(d[..., None]).add_(m[..., None]).view(n, k)     # rounded twice, no FMA
 
     def dense(self) -> torch.Tensor:
-        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy (cpu_qgemm.c, the same bits as
-        `dequantize`), torch's passes where it cannot run."""
+        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy for int8 (cpu_qgemm.c, the same bits as
+        `dequantize`), torch's passes where it cannot run and for int4."""
         w = torch.empty(self.shape)
-        if not cpu.dequantize(self.qweight, self.scales, self.zeros, w):
+        if self.kind == "int4" or not cpu.dequantize(self.qweight, self.scales, self.zeros, w):
             w = self.dequantize()
         return w
 
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
-        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
-        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
-        (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized weight."""
+        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. int4: lmq's
+        W4A8 kernel for any M. int8: up to KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration
+        chose it for the chunk's rows, else (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized
+        weight."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
+        if self.kind == "int4":
+            cpu.q4a8_mm(a, self.qweight, self.scales, self.zeros, out, accumulate)
+            return
         m = a.shape[0]
         if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
             return
@@ -128,9 +142,7 @@ class QuantizedLinear(nn.Module):
         """int4 weights w = d q + m: q levels 0..15 [N, K] (one a byte), d and m float [N, K / 32]."""
         n, k = q.shape
         assert d.shape == m.shape == (n, k // GROUP_SIZE), (q.shape, d.shape, m.shape)
-        g = q.to(torch.uint8).view(n, k // GROUP_SIZE, GROUP_SIZE)
-        packed = g[..., :16] | (g[..., 16:] << 4)                                   # Q4_1's byte order
-        return cls("int4", packed.reshape(n, k // 2), d.float(), m.float(), bias, k)
+        return cls("int4", *cpu.pack_q4(q, d, m), bias, k, n)
 
     @classmethod
     def stack(cls, modules: list["QuantizedLinear"]) -> "QuantizedLinear":
@@ -141,9 +153,11 @@ class QuantizedLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
-        zeros = None if first.kind == "int8" else torch.cat([m.zeros for m in modules])
+        if first.kind == "int4":
+            q, d, m = (torch.cat(parts) for parts in zip(*(mod.levels() for mod in modules)))
+            return cls.from_q4_1(q, d, m, bias)
         return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
-                   zeros, bias, first.in_features)
+                   None, bias, first.in_features)
 
 
 def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
