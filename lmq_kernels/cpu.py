@@ -1,11 +1,9 @@
 """lmq's CPU kernels, in C: built once per machine with its C compiler into one library, called through ctypes.
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
-    quantized_mm(x, q, scale, None, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8 (cpu_qgemm.c,
-    dequantize(q, scale, None, out) -> bool                          out = W as float32    via cpu_quantized.py)
-    q4a8_mm(x, qp, dp, mp, out, accumulate=False)                    out (+)= x @ W^T, W int4, x as int8
-                                                                     (cpu_q4a8.c, any rows; always computes)
-    pack_q4(q, d, m), unpack_q4(qp, dp, mp, n)                       int4 levels <-> cpu_q4a8.c's panels
+    qgemm(x, w, out, accumulate=False)                               out (+)= x @ W^T, W int4 / int8 in panels
+    pack(q, d, m=None) -> QWeight, unpack(w)                         (`pack`), x rounded to int8 (cpu_qgemm.c
+                                                                     via cpu_quantized.py; always computes)
     attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     prefill_attention(q, k, v, table, start, new, end, out, scale)   T new tokens a row, causal GQA
                                                                      (cpu_prefill_attention.c)
@@ -53,8 +51,7 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "quantized_mm", "q4a8_mm", "pack_q4", "unpack_q4", "dequantize", "quantized_layout_ok",
-           "attention",
+__all__ = ["small_m_mm", "qgemm", "pack", "unpack", "QWeight", "attention",
            "prefill_attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
            "choices", "configure", "isa", "gemm_shape"]
 
@@ -346,5 +343,4 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
 # module's loader and calibration)
 from .cpu_attention import HEAD_DIMS as ATTENTION_HEAD_DIMS, attention, prefill_attention  # noqa: E402
 from . import cpu_quantized as _quantized  # noqa: E402
-from .cpu_quantized import (dequantize, layout_ok as quantized_layout_ok, pack_q4, q4a8_mm,  # noqa: E402
-                            quantized_mm, unpack_q4)
+from .cpu_quantized import QWeight, pack, qgemm, unpack  # noqa: E402

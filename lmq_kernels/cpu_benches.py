@@ -165,27 +165,3 @@ def rope_append(lmq, n: int, hq: int, hkv: int, d: int, norms: bool):
         vc[dest] = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
 
     return (lambda: lmq(qkv, cos, sin, positions, qn, kn, 1e-6, q, kc, vc, table, 1, 3, n), torch_side)
-
-
-def qgemm(lmq, dequantize, m: int, k: int, n: int):
-    """out = x @ W^T for an int8 W [n, k] (cpu_qgemm.c's layout, a scale per 32 along k): lmq(x, q, scale, None,
-    out) vs what the engine runs otherwise, W de-quantized to float32 (`dequantize`, torch's passes where it
-    declines) and torch.mm."""
-    copies = max(1, -(-RING_BYTES // max(n * k, 1)))
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(copies, n, k // 32, generator=g) * 0.01
-    x, out, w = torch.randn(m, k), torch.empty(m, n), torch.empty(n, k)
-    nxt = _Next(copies)
-
-    def torch_side():
-        i = nxt()
-        if not dequantize(q[i], scale[i], None, w):
-            w.view(n, k // 32, 32).copy_(q[i].view(n, k // 32, 32).float() * scale[i][..., None])
-        torch.mm(x, w.t(), out=out)
-
-    def lmq_side():
-        i = nxt()
-        lmq(x, q[i], scale[i], None, out)
-
-    return lmq_side, torch_side

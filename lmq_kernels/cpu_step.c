@@ -20,23 +20,24 @@
  * (when the per-op path runs lmq's kernels; calibration picks between the paths: cpu_step.py).
  *
  * Weights: float32 K-major ([K, N], row stride ldw: cpu_gemm.c) or panel-major ([N / P][K][P]: each thread
- * streams a contiguous region, lmq_gemm_panels_share), int8 [N, K] (cpu_qgemm.c), or int4 in panels of 16
- * outputs, which multiply the rows quantized to int8 (cpu_q4a8.c: each thread quantizes the rows itself, into
- * its own scratch, so that no barrier is added).
+ * streams a contiguous region, lmq_gemm_panels_share), or int4 / int8 in panels of 16 outputs, which multiply
+ * the rows rounded to int8 (cpu_qgemm.c: each thread quantizes the rows itself, into its own scratch, so that
+ * no barrier is added).
  */
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
-enum { W_F32 = 0, W_I8 = 1, W_Q4 = 2, W_F32_PANELS = 3 };
+enum { W_F32 = 0, W_Q8 = 1, W_Q4 = 2, W_F32_PANELS = 3 };
 
 typedef struct {
-    int kind;                      /* W_F32, W_I8, W_Q4, W_F32_PANELS */
+    int kind;                      /* W_F32, W_Q8, W_Q4, W_F32_PANELS */
     long n, k;                     /* y[M, n] (+)= x[M, k] @ W */
-    const void *w;                 /* float32 [k, n] K-major | int8 [n, k] | uint8 [n / 16][k / 8][16][4] |
-                                      float32 [n / P][k][P] panel-major */
+    const void *w;                 /* float32 [k, n] K-major | float32 [n / P][k][P] panel-major |
+                                      int4 / int8 panels (cpu_qgemm.c) */
     long ldw;                      /* float32: the row stride of [k, n]; panels: P */
-    const float *scale, *zero;     /* int8: scale [n, k / 32]; int4: d and m [n / 16][k / 32][16] */
+    const float *scale;            /* int4 / int8: d [n / 16][k / 32][16] */
+    const void *zero;              /* int4: m, int8: the groups' sums of q, as d */
 } lmq_weight;
 
 typedef struct {
@@ -51,13 +52,11 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
                     int M, long K, long N, int accumulate, int t, int nt);
 void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, float *y, long ldy,
                            int M, long K, long N, int accumulate, int t, int nt);
-void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
-                        int M, long K, long N, int accumulate, int t, int nt);
-void lmq_q8_rows(const float *x, long ldx, int M, long K, signed char *xq, float *xs, float *s);
-void lmq_q4a8_share(const signed char *xq, const float *xs, const float *s, int M, long K,
-                    const unsigned char *qp, const float *dp, const float *mp, long N,
-                    float *y, long ldy, int accumulate, int t, int nt);
-long lmq_q4a8_scratch(int M, long K);
+void lmq_q8_rows(const float *x, long ldx, int M, long K, signed char *xq, float *xs, float *s, int bits);
+void lmq_qgemm_share(const signed char *xq, const float *xs, const float *s, int M, long K,
+                     const void *qp, const float *dp, const void *mp, long N, int bits,
+                     float *y, long ldy, int accumulate, int t, int nt);
+long lmq_qgemm_scratch(int M, long K);
 void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps);
 void lmq_silu_mul_share(const float *gu, long ldgu, float *out, long ldo, int M, int I, int t, int nt);
 void lmq_rope_append_rows(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
@@ -70,7 +69,7 @@ void lmq_attention_body(const float *q, long sqb, long sqh, const float *k, long
                         float *parts);
 long lmq_attention_parts(int B, int Hq, int Hkv, long S, int D);
 
-/* Thread t of nt's share of y (+)= a @ W; qs: this thread's scratch for a's rows quantized (int4 weights). */
+/* Thread t of nt's share of y (+)= a @ W; qs: this thread's scratch for a's rows quantized (int4 / int8). */
 static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, long ldy, int M, int acc,
                      int t, int nt, void *qs) {
     switch (w->kind) {
@@ -80,15 +79,12 @@ static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, lo
     case W_F32_PANELS:
         lmq_gemm_panels_share(a, lda, (const float *)w->w, w->ldw, y, ldy, M, w->k, w->n, acc, t, nt);
         break;
-    case W_I8:
-        lmq_qgemm_i8_share(a, lda, (const signed char *)w->w, w->scale, y, ldy, M, w->k, w->n, acc, t, nt);
-        break;
     default: {
+        const int bits = w->kind == W_Q4 ? 4 : 8;
         signed char *xq = qs;
         float *xs = (float *)(xq + (long)M * w->k), *s = xs + (long)M * (w->k / 32);
-        lmq_q8_rows(a, lda, M, w->k, xq, xs, s);
-        lmq_q4a8_share(xq, xs, s, M, w->k, (const unsigned char *)w->w, w->scale, w->zero, w->n, y, ldy, acc,
-                       t, nt);
+        lmq_q8_rows(a, lda, M, w->k, xq, xs, s, bits);
+        lmq_qgemm_share(xq, xs, s, M, w->k, w->w, w->scale, w->zero, w->n, bits, y, ldy, acc, t, nt);
     }
     }
 }
@@ -110,7 +106,7 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
     float *parts = malloc(sizeof(float) * lmq_attention_parts(B, Hq, Hkv, S, D));
     const int width = hidden > inter ? hidden : inter;
     float *hbuf = malloc(sizeof(float) * (size_t)threads * B * width);
-    const long qsize = (lmq_q4a8_scratch(B, width > nq ? width : nq) + 63) / 64 * 64;   /* 64-byte apart */
+    const long qsize = (lmq_qgemm_scratch(B, width > nq ? width : nq) + 63) / 64 * 64;   /* 64-byte apart */
     char *qbuf = malloc((size_t)threads * qsize);
     #pragma omp parallel num_threads(threads)
     {

@@ -76,7 +76,7 @@ def load_q4_1(model, gguf_file: Path) -> int:
         if parts[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
             q, d, m = (_unpermute(t, heads) for t in (q, d, m))
-        setattr(parent, attr, QuantizedLinear.from_q4_1(q, d, m, linear.bias))
+        setattr(parent, attr, QuantizedLinear.from_levels(q, d, m, linear.bias))
         replaced += 1
     return replaced
 

@@ -4,23 +4,21 @@
 model's own forward (prefills, non-Llama models) calls it like the module it replaced, and the fused decode
 step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`:
 
-    int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32; x stays float32
-    int4   w = d[n, g] * q + m[n, g]          q in 0..15, d and m [N, K/32] (GGUF's Q4_1 values), stored in
-                                             panels of 16 outputs (lmq_kernels/cpu_q4a8.c); x is quantized to
-                                             int8 per group of 32 for the product (W4A8, as llama.cpp
-                                             multiplies Q4_1 weights with Q8_1 activations)
+    int8   w = d[n, g] * q                   q in -127..127 (GGUF's Q8_0 values)        g = k / 32
+    int4   w = d[n, g] * q + m[n, g]          q in 0..15 (GGUF's Q4_1 values)
+
+stored in panels of 16 outputs (lmq_kernels/cpu_qgemm.c). The product rounds x to int8 per group of 32 (W8A8 /
+W4A8, as llama.cpp multiplies Q8_0 / Q4_1 weights with Q8 activations) and sums integers: lmq's kernel for
+every row count (decode steps and prefills), or torch's ops with the same bits where there is no C compiler
+(`lmq_kernels.cpu.qgemm`). Measured against the float kernels it replaced (x float32, the weight de-quantized in
+registers; long prefills de-quantized the weight for torch's GEMM): an int4 model's layers 1.9x (one row) and
+2.5x (eight rows) faster, prefills 3x (benchmarks/RESULTS.md). torch's own weight-only kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32 `torch.mm` on an
+AVX2 host (benchmarks/bench_quantized.py) and are not used. Each output depends on its own input row only, so
+greedy tokens are the same batched or alone, as in float32.
 
 The int4 values are GGUF's Q4_1, so the default model's shipped weights load as they are
-(`backend/gguf_weights.py`). int8: up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
-(`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
-calibration measured it faster than the alternative; that alternative, more rows (long prefills), or no C
-compiler, de-quantize the weight to float32 for that call (`dense`) and use torch's GEMM. int4: every row
-count in lmq's W4A8 kernel (`lmq_kernels.cpu.q4a8_mm`; torch's ops compute the same bits without a compiler):
-its integer dot products made an 8-row step's GEMMs 2.5x and a one-row step's 1.9x faster than the float
-kernel it replaced, and a prefill's 3x faster than torch's float32 GEMM (benchmarks/RESULTS.md). torch's own
-weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than
-float32 `torch.mm` on an AVX2 host (benchmarks/bench_quantized.py) and are not used. In both kinds each output
-depends on its own input row only, so greedy tokens are the same batched or alone, as in float32.
+(`backend/gguf_weights.py`).
 """
 from __future__ import annotations
 
@@ -30,29 +28,27 @@ from torch import nn
 from lmq_kernels import cpu
 
 QUANTIZED_DTYPES = ("int8", "int4")
-GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
-# Up to this many rows (decode steps, short prefills) multiply in lmq's int8 kernel, 16 rows a call; more
-# (long prefills) de-quantize the weight once for the call and use torch's GEMM
-KERNEL_ROWS = 64
+GROUP_SIZE = 32  # weights per scale (and int4 offset) along K, as GGUF's Q8_0 and Q4_1
 
 
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K].
-    Buffers: int8 qweight int8 [N, K], scales [N, K/32]; int4 (`from_q4_1`) the panels of cpu_q4a8.c: qweight
-    uint8 [ceil(N/16), 8 K], scales (d) and zeros (m) [ceil(N/16), K/32, 16]."""
+    Buffers: `cpu.QWeight`'s panels: qweight, scales (d), zeros (int4's m) or sums (int8's group sums of q)."""
 
-    def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None, in_features: int, out_features: int | None = None):
+    def __init__(self, packed: cpu.QWeight, bias: torch.Tensor | None):
         super().__init__()
-        assert kind in QUANTIZED_DTYPES and (zeros is None) == (kind == "int8"), kind
-        self.kind, self.in_features = kind, int(in_features)
-        self.out_features = int(qweight.shape[0] if out_features is None else out_features)
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+        assert packed.ok(), (packed.q.shape, packed.d.shape, packed.n)
+        self.kind = "int4" if packed.bits == 4 else "int8"
+        self.in_features, self.out_features = packed.k, packed.n
+        self.register_buffer("qweight", packed.q)
+        self.register_buffer("scales", packed.d)
+        self.register_buffer("zeros", packed.m)
+        self.register_buffer("sums", packed.sums)
         self.register_buffer("bias", bias)
-        assert cpu.quantized_layout_ok(self.qweight, self.scales, self.zeros, self.in_features), \
-            (kind, qweight.shape, scales.shape, in_features)
+
+    @property
+    def packed(self) -> cpu.QWeight:
+        return cpu.QWeight(self.qweight, self.scales, self.zeros, self.sums, self.out_features)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,50 +58,24 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """int4: (q uint8 [N, K] in 0..15, d, m float32 [N, K/32])."""
-        return cpu.unpack_q4(self.qweight, self.scales, self.zeros, self.out_features)
+    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, K], d [N, K/32], m [N, K/32] for int4 else None)."""
+        return cpu.unpack(self.packed)
 
     def dequantize(self) -> torch.Tensor:
-        """W as float32 [N, K]."""
+        """W as float32 [N, K] (d q + m rounded twice, no FMA)."""
         n, k = self.shape
-        if self.kind == "int8":
-            return (self.qweight.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scales[..., None]).view(n, k)
         q, d, m = self.levels()
-        q = q.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
-        return q.mul_(d[..., None]).add_(m[..., None]).view(n, k)     # rounded twice, no FMA
-
-    def dense(self) -> torch.Tensor:
-        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy for int8 (cpu_qgemm.c, the same bits as
-        `dequantize`), torch's passes where it cannot run and for int4."""
-        w = torch.empty(self.shape)
-        if self.kind == "int4" or not cpu.dequantize(self.qweight, self.scales, self.zeros, w):
-            w = self.dequantize()
-        return w
+        w = q.float().view(n, k // GROUP_SIZE, GROUP_SIZE).mul_(d[..., None])
+        return (w if m is None else w.add_(m[..., None])).view(n, k)
 
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
-        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. int4: lmq's
-        W4A8 kernel for any M. int8: up to KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration
-        chose it for the chunk's rows, else (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized
-        weight."""
+        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N], any M."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
-        if self.kind == "int4":
-            cpu.q4a8_mm(a, self.qweight, self.scales, self.zeros, out, accumulate)
-            return
-        m = a.shape[0]
-        if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
-            return
-        if not 16 < m <= KERNEL_ROWS:
-            _dense_mm(a, self.dense(), out, accumulate)
-            return
-        w = None
-        for i in range(0, m, 16):  # a row's result is the same in every chunk
-            if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
-                w = self.dense() if w is None else w
-                _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
+        cpu.qgemm(a, self.packed, out, accumulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -118,7 +88,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantizedLinear":
-        """Quantize a float weight [N, K] per group of 32 along K: int8 symmetric (scale = max |w| / 127, as
+        """Quantize a float weight [N, K] per group of 32 along K: int8 symmetric (d = max |w| / 127, as
         GGUF's Q8_0), int4 asymmetric (d = (max - min) / 15, m = min, as Q4_1)."""
         w = weight.detach().float()
         n, k = w.shape
@@ -128,21 +98,21 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
         g = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
         if kind == "int8":
-            scale = (g.abs().amax(-1) / 127).clamp_min(tiny)
-            q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
-            return cls("int8", q, scale, None, b, k)
+            d = (g.abs().amax(-1) / 127).clamp_min(tiny)
+            q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+            return cls.from_levels(q, d, None, b)
         lo, hi = g.amin(-1), g.amax(-1)
         d = ((hi - lo) / 15).clamp_min(tiny)
         q = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
-        return cls.from_q4_1(q, d, lo, b)
+        return cls.from_levels(q, d, lo, b)
 
     @classmethod
-    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> "QuantizedLinear":
-        """int4 weights w = d q + m: q levels 0..15 [N, K] (one a byte), d and m float [N, K / 32]."""
+    def from_levels(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                    bias: torch.Tensor | None = None) -> "QuantizedLinear":
+        """w = d q (+ m): levels q [N, K] (int8 -127..127, or int4 0..15 where m is given), d and m [N, K / 32]."""
         n, k = q.shape
-        assert d.shape == m.shape == (n, k // GROUP_SIZE), (q.shape, d.shape, m.shape)
-        return cls("int4", *cpu.pack_q4(q, d, m), bias, k, n)
+        assert d.shape == (n, k // GROUP_SIZE) and (m is None or m.shape == d.shape), (q.shape, d.shape)
+        return cls(cpu.pack(q, d, m), bias)
 
     @classmethod
     def stack(cls, modules: list["QuantizedLinear"]) -> "QuantizedLinear":
@@ -153,18 +123,10 @@ class QuantizedLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
-        if first.kind == "int4":
-            q, d, m = (torch.cat(parts) for parts in zip(*(mod.levels() for mod in modules)))
-            return cls.from_q4_1(q, d, m, bias)
-        return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
-                   None, bias, first.in_features)
-
-
-def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    if accumulate:
-        out.addmm_(a, w.t())
-    else:
-        torch.mm(a, w.t(), out=out)
+        levels = [mod.levels() for mod in modules]
+        q, d = torch.cat([v[0] for v in levels]), torch.cat([v[1] for v in levels])
+        m = None if first.kind == "int8" else torch.cat([v[2] for v in levels])
+        return cls.from_levels(q, d, m, bias)
 
 
 def quantize_model(model, kind: str) -> int:
