@@ -35,7 +35,7 @@
 
 #define GROUP 32
 #define PW 16                 /* outputs a panel */
-#define SERIAL_BELOW (1L << 17)   /* weights of fewer elements run on one thread */
+#define SERIAL_BELOW (1L << 17)   /* products (rows x weights) fewer than this run on one thread */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QPATH 512
@@ -309,7 +309,7 @@ void lmq_qgemm_share(const signed char *xq, const float *xs, const float *s, int
                      const void *qp, const float *dp, const void *mp, long N, int bits,
                      float *y, long ldy, int accumulate, int t, int nt) {
     const long P = (N + PW - 1) / PW, G = K / GROUP;
-    if (K * N < SERIAL_BELOW) nt = 1;
+    if (M * K * N < SERIAL_BELOW) nt = 1;
     if (t >= nt) return;
     for (long p = P * t / nt; p < P * (t + 1) / nt; p++) {
         const int valid = N - p * PW < PW ? (int)(N - p * PW) : PW;
@@ -342,7 +342,7 @@ void lmq_qgemm(const float *x, long ldx, int M, long K, const void *qp, const fl
     signed char *xq = scratch;
     float *xs = (float *)(xq + (long)M * K), *s = xs + (long)M * (K / GROUP);
     const long G = K / GROUP;
-    if (K * N < SERIAL_BELOW && M <= RB) threads = 1;
+    if (M * K * N < SERIAL_BELOW) threads = 1;
     #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
