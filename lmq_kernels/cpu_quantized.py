@@ -35,6 +35,7 @@ class QWeight:
     m: torch.Tensor | None
     sums: torch.Tensor | None
     n: int
+    PANEL = PANEL   # outputs a panel (a class constant, not a field)
 
     @property
     def bits(self) -> int:

@@ -64,14 +64,15 @@ def test_quantized_linear_matches_its_dequantized_weight_and_rows_do_not_depend_
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_stacked_modules_compute_side_by_side(kind, kernels):
+@pytest.mark.parametrize("sizes", [(64, 32, 48), (64, 20, 40)])   # whole panels side by side, or repacked
+def test_stacked_modules_compute_side_by_side(kind, sizes, kernels):
     """The fused step's q/k/v (gate/up) matrix: the modules' weights one after another along N; each output the
     same as its own module's (the biases are the caller's: `mm(bias=)`)."""
     torch.manual_seed(0)
     mods = [QuantizedLinear.quantize(torch.randn(n, 64), torch.randn(n) if n == 32 else None, kind)
-            for n in (64, 32, 48)]
+            for n in sizes]
     x = torch.randn(3, 64)
-    out = torch.empty(3, 144)
+    out = torch.empty(3, sum(sizes))
     QuantizedLinear.stack(mods).mm(x, out)
     parts = []
     for m in mods:

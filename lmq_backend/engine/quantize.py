@@ -123,6 +123,11 @@ class QuantizedLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
+        if all(mod.out_features % cpu.QWeight.PANEL == 0 for mod in modules):   # whole panels: side by side
+            cat = lambda name: None if getattr(first, name) is None else torch.cat(  # noqa: E731
+                [getattr(mod, name) for mod in modules])
+            n = sum(mod.out_features for mod in modules)
+            return cls(cpu.QWeight(cat("qweight"), cat("scales"), cat("zeros"), cat("sums"), n), bias)
         levels = [mod.levels() for mod in modules]
         q, d = torch.cat([v[0] for v in levels]), torch.cat([v[1] for v in levels])
         m = None if first.kind == "int8" else torch.cat([v[2] for v in levels])
