@@ -1,9 +1,8 @@
 """lmq's CPU kernels, in C: built once per machine with its C compiler into one library, called through ctypes.
 
     small_m_mm(x, w_t, out, accumulate=False, bias=None) -> bool     out (+)= x @ w_t      (cpu_gemm.c)
-    qgemm(x, w, out, accumulate=False)                               out (+)= x @ W^T, W int4 / int8 in panels
-    pack(q, d, m=None) -> QWeight, unpack(w)                         (`pack`), x rounded to int8 (cpu_qgemm.c
-                                                                     via cpu_quantized.py; always computes)
+    quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8/int4 (cpu_qgemm.c,
+    dequantize(q, scale, zero, out) -> bool                          out = W as float32    via cpu_quantized.py)
     attention(q, k, v, table, start, out, scale) -> bool             one query a row, GQA (cpu_attention.c)
     prefill_attention(q, k, v, table, start, new, end, out, scale)   T new tokens a row, causal GQA
                                                                      (cpu_prefill_attention.c)
@@ -51,8 +50,8 @@ from . import cpu_benches as _benches
 from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
-__all__ = ["small_m_mm", "qgemm", "pack", "unpack", "QWeight", "attention",
-           "prefill_attention", "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
+__all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "attention", "prefill_attention",
+           "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
            "choices", "configure", "isa", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
@@ -111,7 +110,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
     for f in (lib.lmq_rmsnorm, lib.lmq_silu_mul, lib.lmq_rope_append):
         f.restype = None
-    _quantized.bind(lib)
+    for f in (lib.lmq_qgemm_i8, lib.lmq_qgemm_i4):
+        f.argtypes = [ptr, c_long, ptr, ptr, *([ptr] if f is lib.lmq_qgemm_i4 else []), ptr, c_long,
+                      c_int, c_long, c_long, c_int, c_int]
+        f.restype = None
+    lib.lmq_dequant_i8.argtypes = [ptr, ptr, ptr, c_long, c_long, c_int]
+    lib.lmq_dequant_i4.argtypes = [ptr, ptr, ptr, ptr, c_long, c_long, c_int]
+    lib.lmq_dequant_i8.restype = lib.lmq_dequant_i4.restype = None
     lib.lmq_gemm_shape.argtypes = [ptr]
     lib.lmq_gemm_shape.restype = None
     return lib
@@ -342,5 +347,4 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
 # The attention and quantized ops live in cpu_attention.py and cpu_quantized.py (imported last: they read this
 # module's loader and calibration)
 from .cpu_attention import HEAD_DIMS as ATTENTION_HEAD_DIMS, attention, prefill_attention  # noqa: E402
-from . import cpu_quantized as _quantized  # noqa: E402
-from .cpu_quantized import QWeight, pack, qgemm, unpack  # noqa: E402
+from .cpu_quantized import dequantize, layout_ok as quantized_layout_ok, quantized_mm  # noqa: E402

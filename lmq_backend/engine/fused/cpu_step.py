@@ -35,7 +35,7 @@ PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most 
 def _weight(w, panels: bool) -> Weight:
     n, k = w.shape
     if isinstance(w, QuantizedLinear):
-        return Weight(n, k, q=w.packed)
+        return Weight(n, k, q=w.qweight, scale=w.scales, zero=w.zeros)
     return Weight(n, k, w_t=w.t(), panel=panels)
 
 
