@@ -13,7 +13,12 @@ With `--decode`: decode steps of the default model through the engine at float32
 Q4_1), batch 1 and 8 concurrent queries (a ~450-token prompt each, 32 new tokens), the dtypes alternating
 for `--rounds` rounds; median ms per step (`on_step`), wall.
 
-Run:  python benchmarks/bench_quantized.py [--rows 1,2,4,8,16] [--reps 7] [--threads 2] [--decode [--no-gemm]]
+With `--quality`: what the quantization costs, on ~840 tokens of the benchmark texts fed to each model at once
+(teacher forcing): top-1 agreement with lmq float32 and the mean KL divergence from it, for lmq int8, int4 and,
+when llama-cpp-python is installed, llama.cpp on the same GGUF as F32 and as its shipped Q4_1.
+
+Run:  python benchmarks/bench_quantized.py [--rows 1,2,4,8,16] [--reps 7] [--threads 2] [--decode] [--quality]
+                                           [--no-gemm]
 """
 from __future__ import annotations
 
@@ -44,15 +49,15 @@ def host_line() -> str:
             f"command: {' '.join(sys.argv)}")
 
 
-def sides(k: int, n: int) -> dict[str, list]:
-    """Per side, a ring of callables f(x) over distinct weight copies."""
+def sides(k: int, n: int, rows: int) -> dict[str, list]:
+    """Per side, a ring of callables f(x) over distinct weight copies (x up to `rows` rows)."""
     copies = max(2, RING_BYTES // (k * n * 4))
     out: dict[str, list] = {"fp32": [], "lmq": [], "t-int8": [], "t-int4": [], "int8": [], "int4": []}
+    o = torch.empty(rows, n)
     for _ in range(min(copies, 8)):
         w = torch.randn(n, k) * 0.05
         wk = w.t().contiguous().t()                       # K-major, as fused/weights.py lays it out
         out["fp32"].append(lambda x, wk=wk: torch.mm(x, wk.t()))
-        o = torch.empty(16, n)
         out["lmq"].append(lambda x, wk=wk, o=o: cpu.small_m_mm(x, wk.t(), o[: x.shape[0]]) or torch.mm(x, wk.t()))
         q8, q4 = QuantizedLinear.quantize(w, None, "int8"), QuantizedLinear.quantize(w, None, "int4")
         s8 = w.abs().amax(1) / 127                        # torch's int8 kernel: a scale per output channel
@@ -82,7 +87,7 @@ def measure(rows: list[int], reps: int, calls: int = 16) -> None:
           + "   int8/fp32 int4/fp32  (ms per call: CPU time of the process over threads, median of samples of "
           f"{calls} calls; fp32 = the faster of fp32 and lmq; torch's kernels (t-) at M <= 4 only)")
     for k, n in SHAPES:
-        fns = sides(k, n)
+        fns = sides(k, n, max(rows))
         for m in rows:
             x = torch.randn(m, k)
             run = {s: f for s, f in fns.items() if not (s.startswith("t-") and (m > 4 or n > 10_000 and m > 1))}
@@ -130,6 +135,42 @@ def decode(rounds: int) -> None:
         print(("  warm-up " if r == 0 else "  ") + " | ".join(line), flush=True)
 
 
+def quality() -> None:
+    import lmq_backend as lmq
+    from lmq_backend.backend.default_model import gguf_path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import workloads as W
+
+    text = W.w1_shots(16) + "\n" + W.W2_SYSTEM + " " + " ".join(W.W2_TURNS)
+    backends = {d: lmq.HFBackend("default", device="cpu", dtype=d) for d in ("float32", "int8", "int4")}
+    ids = backends["float32"].tokenizer.encode(text)[:1000]
+
+    def logp(logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits.float(), -1)
+
+    with torch.no_grad():
+        lps = {f"lmq {d}": logp(b.model(torch.tensor([ids])).logits[0]) for d, b in backends.items()}
+    try:
+        import llama_cpp
+        import numpy as np
+        from bench_llama_cpp import f32_gguf
+
+        for name, path in (("llama.cpp F32", f32_gguf()), ("llama.cpp Q4_1", gguf_path())):
+            llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=torch.get_num_threads(), logits_all=True,
+                                  verbose=False)
+            llm.eval(ids)
+            lps[name] = logp(torch.tensor(np.array(llm.scores[:len(ids)])))
+    except ImportError:
+        print("(llama-cpp-python is not installed: lmq only)")
+    ref = lps.pop("lmq float32")
+    print(f"quality against lmq float32 over {len(ids)} tokens (teacher forcing): top-1 agreement, mean KL")
+    for name, lp in lps.items():
+        agree = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        print(f"  {name:16s} {agree:7.4f} {kl:9.5f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16")
@@ -137,6 +178,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--quality", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,6 +187,8 @@ def main() -> None:
         measure([int(r) for r in args.rows.split(",")], args.reps)
     if args.decode:
         decode(args.rounds)
+    if args.quality:
+        quality()
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
