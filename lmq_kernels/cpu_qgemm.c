@@ -39,6 +39,15 @@
 #endif
 #endif
 #define NB8 LMQ_QGEMM_NB8
+/* outputs per register block below 8 rows, within a block of NB (1 or NB): one output at a time streams the
+ * weight rows one after another (a one-row int8 step of the default model 11.2-11.7 -> 8.2-8.7 ms, its int8
+ * LM head 1.83-1.90 -> 1.13 ms a row, Zen 4); the same sums either way */
+#ifndef LMQ_QGEMM_NB1_I8
+#define LMQ_QGEMM_NB1_I8 1
+#endif
+#ifndef LMQ_QGEMM_NB1_I4
+#define LMQ_QGEMM_NB1_I4 NB
+#endif
 #define GROUP 32      /* int4 weights per (d, m) */
 #define QSERIAL_BELOW (1L << 17)   /* weights of fewer elements run on one thread */
 
@@ -154,14 +163,18 @@ static inline __attribute__((always_inline)) void block_i4(
 #define PASS_I8(R, V) block_i8(x + m0 * ldx, ldx, q, K, scale, y + m0 * ldy, ldy, R, V, n, accumulate)
 #define PASS_I4(R, V) block_i4(x + m0 * ldx, ldx, q, K, d, mn, y + m0 * ldy, ldy, R, V, n, accumulate)
 /* 8 rows at once, NB8 outputs at a time (the weight de-quantized once for 8 rows; at one output: 8 accumulators,
- * the weight's two vectors, x's two, d and m in 16 registers), then the rest MR rows x V outputs at a time */
-#define ROWS(PASS, V) { int m0 = 0; \
+ * the weight's two vectors, x's two, d and m in 16 registers), then the rest MR rows x V outputs at a time, or
+ * one output at a time (W1: the weight's rows one after another) */
+#define REST(PASS, V) { const int r = M - m0 < MR ? M - m0 : MR; \
+        if (r >= 4) PASS(4, V); else if (r == 3) PASS(3, V); else if (r == 2) PASS(2, V); else PASS(1, V); }
+#define ROWS(PASS, V, W1) { int m0 = 0; \
         for (; M - m0 >= 8; m0 += 8) for (int j = 0; j < V; j += NB8) { n += j; \
             if (NB8 > 1 && V - j >= 2) PASS(8, 2); else PASS(8, 1); n -= j; } \
-        for (; m0 < M; m0 += MR) { const int r = M - m0 < MR ? M - m0 : MR; \
-        if (r >= 4) PASS(4, V); else if (r == 3) PASS(3, V); else if (r == 2) PASS(2, V); else PASS(1, V); } }
-#define ROWS_I8(V) ROWS(PASS_I8, V)
-#define ROWS_I4(V) ROWS(PASS_I4, V)
+        for (; m0 < M; m0 += MR) { \
+            if (W1 == 1 && V > 1) { for (int j = 0; j < V; j++) { n += j; REST(PASS, 1) n -= j; } } \
+            else REST(PASS, V) } }
+#define ROWS_I8(V) ROWS(PASS_I8, V, LMQ_QGEMM_NB1_I8)
+#define ROWS_I4(V) ROWS(PASS_I4, V, LMQ_QGEMM_NB1_I4)
 
 /* Thread t of nt's share of y (+)= x @ W^T: a contiguous range of output blocks (NB outputs each); weights
  * under QSERIAL_BELOW elements on thread 0 alone. Called inside a parallel region (the entry points below,
