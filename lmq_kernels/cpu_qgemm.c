@@ -40,8 +40,9 @@
 #endif
 #define NB8 LMQ_QGEMM_NB8
 /* outputs per register block below 8 rows, within a block of NB (1 or NB): one output at a time streams the
- * weight rows one after another (a one-row int8 step of the default model 11.2-11.7 -> 8.2-8.7 ms, its int8
- * LM head 1.83-1.90 -> 1.13 ms a row, Zen 4); the same sums either way */
+ * weight rows one after another, faster where the weight comes from memory, as in a decode step (Zen 4: a
+ * one-row int8 step of the default model 11.3-11.8 -> 7.2-7.4 ms; the 576x49152 LM head 4.3 -> 2.5 ms, AVX2
+ * build 5.1 -> 3.3), slower where it is hot in cache (int4: no gain measured); the same sums either way */
 #ifndef LMQ_QGEMM_NB1_I8
 #define LMQ_QGEMM_NB1_I8 1
 #endif
