@@ -72,6 +72,16 @@ def head_panels(decoder) -> torch.Tensor | None:
     return _since_load(decoder, "_head_panels", make)
 
 
+def layer_panels(decoder) -> list[tuple] | None:
+    """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads (None each where a
+    weight has none), for the per-op step's small-M GEMMs (`cpu.small_m_mm(panels=)`: the same bits as the
+    K-major weights, streamed faster); None where there is no plan."""
+    plan = _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
+    if plan is None:
+        return None
+    return [(ly.qkv.panels, ly.o.panels, ly.gu.panels, ly.down.panels) for ly in plan.layers]
+
+
 def plan_for(decoder) -> LayerPlan | None:
     """The decoder's layers as a `LayerPlan` (None where cpu_step.c cannot take them)."""
     panels = _panels_fit(decoder)

@@ -49,7 +49,7 @@ from lmq_kernels import cpu, decode_attention
 from lmq_kernels.cpu_layout import padded_stride
 
 from ..attention import grouped_attention
-from .cpu_step import head_panels, run_layers
+from .cpu_step import head_panels, layer_panels, run_layers
 from .graphs import DevicePicks, GraphSteps, bucket_for, write_picks
 from .prefill import Prefill
 
@@ -169,9 +169,11 @@ class FusedDecoder(GraphSteps, Prefill):
         """The layer loop of a step, op by op (see the module docstring)."""
         x, h = self.x[:bp], self.h[:bp]
         start = self.start[:bp]
+        panels = (None if self.triton else layer_panels(self)) or [(None,) * 4] * len(self.layers)
         for l, lw in enumerate(self.layers):
+            p_qkv, p_o, p_gu, p_down = panels[l]
             self._rmsnorm(x, lw.in_norm, lw.eps, h)
-            self._mm(h, lw.wqkv, self.qkv[:bp], bias=lw.bqkv)                   # [bp, (Hq+2Hkv) D]
+            self._mm(h, lw.wqkv, self.qkv[:bp], bias=lw.bqkv, panels=p_qkv)     # [bp, (Hq+2Hkv) D]
             self._rope_append(lw, l, self.qkv[:bp], self.q[:bp], self.positions, bp, 1,  # q [bp, Hq, D];
                               self.end, self.nrows)                                 # K/V -> pool
             if self.triton:
@@ -180,11 +182,11 @@ class FusedDecoder(GraphSteps, Prefill):
                                  rows=None if self.cascade else 1)                       # [bp, Hq, D]
             else:
                 self._attend_cpu(l, bp, lw.scaling)
-            self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True)   # x += attn @ Wo^T
+            self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True, panels=p_o)  # x += attn Wo^T
             self._rmsnorm(x, lw.post_norm, lw.eps, h)
-            self._mm(h, lw.wgu, self.gu[:bp])                                   # [bp, 2 I]
+            self._mm(h, lw.wgu, self.gu[:bp], panels=p_gu)                      # [bp, 2 I]
             self._silu_mul(self.gu[:bp], self.act[:bp])                         # [bp, I]
-            self._mm(self.act[:bp], lw.wdown, x, accumulate=True)               # x += mlp @ Wdown^T
+            self._mm(self.act[:bp], lw.wdown, x, accumulate=True, panels=p_down)  # x += mlp Wdown^T
 
     def _check(self, B: int, end: int) -> int:
         if not 1 <= B <= self.max_batch:
