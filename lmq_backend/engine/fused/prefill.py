@@ -24,6 +24,7 @@ from lmq_kernels.prefill_attention import prefill_attention
 from lmq_kernels.prefill_attention import programs as paged_programs
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
+from .cpu_step import layer_panels
 from .ops import LayerOps
 
 
@@ -84,17 +85,19 @@ class Prefill(LayerOps):
         gu, act = x.new_empty(N, 2 * self.inter), x.new_empty(N, self.inter)
         if not self.triton:
             self._set_rope(pos_d)
+        panels = (None if self.triton else layer_panels(self)) or [(None,) * 4] * len(self.layers)
         with model_attention(dev):
             for l, lw in enumerate(self.layers):
+                p_qkv, p_o, p_gu, p_down = panels[l]
                 self._rmsnorm(x, lw.in_norm, lw.eps, h)
-                self._mm(h, lw.wqkv, qkv, bias=lw.bqkv)
+                self._mm(h, lw.wqkv, qkv, bias=lw.bqkv, panels=p_qkv)
                 self._rope_append(lw, l, qkv, q, pos_d, B, T, end_d, nrows_d, slot)
                 a = attend(l, q.view(B, T, hq, d), lw.scaling)                  # [B, T, Hq, D]
-                self._mm(a.reshape(N, hq * d), lw.wo, x, accumulate=True)       # x += attn @ Wo^T
+                self._mm(a.reshape(N, hq * d), lw.wo, x, accumulate=True, panels=p_o)  # x += attn @ Wo^T
                 self._rmsnorm(x, lw.post_norm, lw.eps, h)
-                self._mm(h, lw.wgu, gu)
+                self._mm(h, lw.wgu, gu, panels=p_gu)
                 self._silu_mul(gu, act)
-                self._mm(act, lw.wdown, x, accumulate=True)                     # x += mlp @ Wdown^T
+                self._mm(act, lw.wdown, x, accumulate=True, panels=p_down)      # x += mlp @ Wdown^T
         last = x.view(B, T, -1)[:, -1]
         h_last = torch.empty_like(last)
         self._rmsnorm(last, self.final_norm, self.final_eps, h_last)
