@@ -24,7 +24,7 @@ from lmq_kernels.prefill_attention import prefill_attention
 from lmq_kernels.prefill_attention import programs as paged_programs
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
-from .cpu_step import layer_panels
+from .cpu_step import head_panels, layer_panels
 from .ops import LayerOps
 
 
@@ -102,7 +102,7 @@ class Prefill(LayerOps):
         h_last = torch.empty_like(last)
         self._rmsnorm(last, self.final_norm, self.final_eps, h_last)
         logits = x.new_empty(B, self.vocab)
-        self._mm(h_last, self.lm_head, logits)
+        self._mm(h_last, self.lm_head, logits, panels=None if self.triton else head_panels(self))
         return logits
 
     def _paged_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
