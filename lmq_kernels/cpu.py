@@ -259,13 +259,18 @@ def small_m_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor, accumulate
             or x.stride(1) != 1 or w_t.stride(1) != 1 or out.stride(1) != 1):
         return False
     threads = torch.get_num_threads()
-    if not choose("gemm", (threads, _up(m), _up(k), _up(n)), lambda: _benches.gemm(_forced(small_m_mm), _up(m), k, n)):
+    p = panels.shape[2] if panels is not None and panels.dim() == 3 else 0
+    if p and not (panels.shape == (n // p, k, p) and n % p == 0 and panels.is_contiguous()
+                  and panels.dtype == torch.float32):
+        p = 0
+    # the panels' own class: they stream faster than the K-major rows, so they win classes those lose
+    if not choose("gemm_panels" if p else "gemm", (threads, _up(m), _up(k), _up(n)),
+                  lambda: _benches.gemm(_forced(small_m_mm), _up(m), k, n, panel=p)):
         return False
     if bias is not None:
         out.copy_(bias.expand_as(out))
         accumulate = True
-    if panels is not None and panels.shape == (n // panels.shape[2], k, panels.shape[2]) \
-            and n % panels.shape[2] == 0 and panels.is_contiguous() and panels.dtype == torch.float32:
+    if p:
         lib.lmq_small_m_gemm_panels(x.data_ptr(), x.stride(0), panels.data_ptr(), panels.shape[2], out.data_ptr(),
                                     out.stride(0), m, k, n, int(accumulate), threads)
         return True

@@ -53,11 +53,16 @@ class _Next:
         return self.i
 
 
-def gemm(lmq, m: int, k: int, n: int):
-    """out = x @ w_t, x [m, k], w_t [k, n] K-major with the engine's row stride: lmq(x, w_t, out) vs torch.mm."""
+def gemm(lmq, m: int, k: int, n: int, panel: int = 0):
+    """out = x @ w_t, x [m, k], w_t [k, n] K-major with the engine's row stride: lmq(x, w_t, out) vs torch.mm;
+    with `panel`, lmq reads panel-major copies [n / panel, k, panel] (`panels=`) and torch the K-major w_t."""
     ring = _ring((k, padded_stride(n, 4)))[..., :n]      # the engine's layout (see cpu_layout.py)
     x, out = torch.randn(m, k), torch.empty(m, n)
     nxt = _Next(ring.shape[0])
+    if panel:
+        panels = _ring((n // panel, k, panel))[:ring.shape[0]]
+        return (lambda: lmq(x, ring[0], out, panels=panels[nxt() % panels.shape[0]]),
+                lambda: torch.mm(x, ring[nxt()], out=out))
     return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))
 
 
