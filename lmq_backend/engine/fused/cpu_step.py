@@ -42,7 +42,9 @@ def _weight(w, panels: bool) -> Weight:
 def _panels_fit(decoder) -> bool:
     """Whether panel-major copies of the float32 weights (the layers' `Weight`s, the LM head: `head_panels`) fit
     PANELS_MAX_MEMORY of the machine's memory (the default model: ~540 MB; a 1B-parameter model in float32
-    would double ~5 GB)."""
+    would double ~5 GB), and lmq's kernels, which read them, run here."""
+    if not cpu.available():
+        return False
     weights = [w for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [decoder.lm_head]
     size = sum(w.numel() * w.element_size() for w in weights if isinstance(w, torch.Tensor))
     try:
