@@ -66,7 +66,10 @@ def _since_load(decoder, name: str, make):
 
 def head_panels(decoder) -> torch.Tensor | None:
     """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`), where the copies fit
-    (`_panels_fit`); else None (K-major)."""
+    (`_panels_fit`); else (and on a GPU) None (K-major)."""
+    if decoder.triton:
+        return None
+
     def make():
         w = decoder.lm_head
         ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
@@ -74,13 +77,13 @@ def head_panels(decoder) -> torch.Tensor | None:
     return _since_load(decoder, "_head_panels", make)
 
 
-def layer_panels(decoder) -> list[tuple] | None:
-    """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads (None each where a
-    weight has none), for the per-op step's small-M GEMMs (`cpu.small_m_mm(panels=)`: the same bits as the
-    K-major weights, streamed faster); None where there is no plan."""
-    plan = _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
+def layer_panels(decoder) -> list[tuple]:
+    """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads, for the small-M
+    GEMMs of the per-op step and the prefill (`cpu.small_m_mm(panels=)`: the same bits as the K-major weights,
+    streamed faster); None where a weight has none (no plan, no copies, a GPU)."""
+    plan = None if decoder.triton else _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
     if plan is None:
-        return None
+        return [(None,) * 4] * len(decoder.layers)
     return [(ly.qkv.panels, ly.o.panels, ly.gu.panels, ly.down.panels) for ly in plan.layers]
 
 

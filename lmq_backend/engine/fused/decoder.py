@@ -161,7 +161,7 @@ class FusedDecoder(GraphSteps, Prefill):
         if self.triton or not run_layers(self, bp):   # the CPU's layers in one C call where measured faster
             self._layers(bp)
         self._rmsnorm(x, self.final_norm, self.final_eps, h)
-        self._mm(h, self.lm_head, self.logits[:bp], panels=None if self.triton else head_panels(self))  # [bp, V]
+        self._mm(h, self.lm_head, self.logits[:bp], panels=head_panels(self))  # [bp, V]
         if self.masks is not None:
             self._pick_and_advance(bp)
 
@@ -169,7 +169,7 @@ class FusedDecoder(GraphSteps, Prefill):
         """The layer loop of a step, op by op (see the module docstring)."""
         x, h = self.x[:bp], self.h[:bp]
         start = self.start[:bp]
-        panels = (None if self.triton else layer_panels(self)) or [(None,) * 4] * len(self.layers)
+        panels = layer_panels(self)
         for l, lw in enumerate(self.layers):
             p_qkv, p_o, p_gu, p_down = panels[l]
             self._rmsnorm(x, lw.in_norm, lw.eps, h)

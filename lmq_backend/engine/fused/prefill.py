@@ -85,7 +85,7 @@ class Prefill(LayerOps):
         gu, act = x.new_empty(N, 2 * self.inter), x.new_empty(N, self.inter)
         if not self.triton:
             self._set_rope(pos_d)
-        panels = (None if self.triton else layer_panels(self)) or [(None,) * 4] * len(self.layers)
+        panels = layer_panels(self)
         with model_attention(dev):
             for l, lw in enumerate(self.layers):
                 p_qkv, p_o, p_gu, p_down = panels[l]
@@ -102,7 +102,7 @@ class Prefill(LayerOps):
         h_last = torch.empty_like(last)
         self._rmsnorm(last, self.final_norm, self.final_eps, h_last)
         logits = x.new_empty(B, self.vocab)
-        self._mm(h_last, self.lm_head, logits, panels=None if self.triton else head_panels(self))
+        self._mm(h_last, self.lm_head, logits, panels=head_panels(self))
         return logits
 
     def _paged_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
