@@ -60,8 +60,8 @@ def gemm(lmq, m: int, k: int, n: int, panel: int = 0):
     x, out = torch.randn(m, k), torch.empty(m, n)
     nxt = _Next(ring.shape[0])
     if panel:
-        panels = _ring((n // panel, k, panel))[:ring.shape[0]]
-        return (lambda: lmq(x, ring[0], out, panels=panels[nxt() % panels.shape[0]]),
+        panels = _ring((n // panel, k, panel))[:ring.shape[0]]   # as many copies: one index for both sides
+        return (lambda: lmq(x, ring[0], out, panels=panels[nxt()]),
                 lambda: torch.mm(x, ring[nxt()], out=out))
     return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))
 
