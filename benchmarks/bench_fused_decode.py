@@ -2,7 +2,8 @@
 
 For SmolLM2-135M- and Llama-3.2-1B-shaped models, batch 1 and 16:
   hf     HF forward (sdpa) of 1 token with a DynamicCache of 2047 tokens and an all-ones mask
-  fused  lmq FusedDecoder.step (CUDA graphs), the whole step incl. input copies; `graph` = replay alone
+  fused  lmq FusedDecoder.step (CUDA graphs) from device tensors, the whole step incl. its input copies;
+         `step_host` = the engine's entry (inputs from host lists in one copy); `graph` = replay alone
   floor  (weight bytes + K/V bytes of the step) / 4.3 TB/s
 Then end-to-end on the 1B shape: a 2,050-token prompt + 32 greedy new tokens, HF `generate` vs
 (lmq's fused prefill into the pool + 31 fused steps, argmax on the GPU), and the prefill alone: fused vs
@@ -136,11 +137,18 @@ def bench_step(model, B: int, ctx: int, quick: bool):
     for _ in range(3):
         fused()
     t_fused = cuda_ms(fused, 50 if quick else 200)
+    host_toks, host_starts = toks.tolist(), [0] * B
+
+    def engine():  # the engine's entry: inputs from host lists, one copy from a pinned buffer
+        dec.step_host(host_toks, host_starts, ctx - 1)
+
+    engine()
+    t_engine = cuda_ms(engine, 50 if quick else 200)
     graph = next(g for (bucket, *_), g in dec.graphs.items() if bucket == B)  # keyed (bucket, cascade)
     t_graph = cuda_ms(graph.replay, 50 if quick else 200)
     kv_bytes = L * 2 * B * H * ctx * D * 2
     t_floor = (weight_bytes(model) + kv_bytes) / HBM_BW * 1e3
-    return t_hf, t_fused, t_graph, t_floor, dec
+    return t_hf, t_fused, t_engine, t_graph, t_floor, dec
 
 
 def prefill_into_pool(model, ids, pool):
@@ -265,11 +273,12 @@ def main():
         model = build(shape)
         wb = weight_bytes(model)
         for B in (1, 16):
-            t_hf, t_f, t_g, t_floor, dec = bench_step(model, B, args.ctx, args.quick)
+            t_hf, t_f, t_e, t_g, t_floor, dec = bench_step(model, B, args.ctx, args.quick)
             decs[(shape, B)] = dec
-            rows.append((shape, B, t_hf, t_f, t_g, t_floor))
-            print(f"{shape:13s} B={B:2d} ctx={args.ctx}: HF {t_hf:7.3f} ms | fused {t_f:6.3f} ms (graph replay "
-                  f"{t_g:6.3f}) | floor {t_floor:6.3f} ms | HF/fused {t_hf / t_f:5.1f}x | fused/floor "
+            rows.append((shape, B, t_hf, t_f, t_e, t_g, t_floor))
+            print(f"{shape:13s} B={B:2d} ctx={args.ctx}: HF {t_hf:7.3f} ms | fused {t_f:6.3f} ms (engine's "
+                  f"step_host {t_e:6.3f}, graph replay {t_g:6.3f}) | floor {t_floor:6.3f} ms | "
+                  f"HF/fused {t_hf / t_f:5.1f}x | fused/floor "
                   f"{t_f / t_floor:4.2f}x   (weights {wb / 1e9:.3f} GB)", flush=True)
         if shape == "Llama-3.2-1B":
             for B in (1, 16):
@@ -280,7 +289,7 @@ def main():
                     continue
                 tot = sum(c[0] for c in cats.values())
                 print(f"  profile {shape} B={B}: kernel time {tot:.3f} ms/step (eager), graph replay "
-                      f"{[r for r in rows if r[0] == shape and r[1] == B][0][4]:.3f} ms")
+                      f"{[r for r in rows if r[0] == shape and r[1] == B][0][5]:.3f} ms")
                 for cat, (t, cnt) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
                     print(f"    {cat:14s} {t:7.3f} ms  {cnt:4d} launches")
                 if B == 1:
@@ -297,10 +306,11 @@ def main():
         del model, decs
         decs = {}
         torch.cuda.empty_cache()
-    print("\n| model | B | HF sdpa (ms) | lmq fused (ms) | graph replay (ms) | floor (ms) | HF/fused | fused/floor |")
-    print("|---|---|---|---|---|---|---|---|")
-    for shape, B, t_hf, t_f, t_g, t_floor in rows:
-        print(f"| {shape} | {B} | {t_hf:.3f} | {t_f:.3f} | {t_g:.3f} | {t_floor:.3f} | {t_hf / t_f:.1f}x | "
+    print("\n| model | B | HF sdpa (ms) | lmq step (ms) | lmq step_host (ms) | graph replay (ms) | floor (ms) | "
+          "HF/step | step/floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape, B, t_hf, t_f, t_e, t_g, t_floor in rows:
+        print(f"| {shape} | {B} | {t_hf:.3f} | {t_f:.3f} | {t_e:.3f} | {t_g:.3f} | {t_floor:.3f} | {t_hf / t_f:.1f}x | "
               f"{t_f / t_floor:.2f}x |")
 
 

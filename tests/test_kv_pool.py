@@ -82,3 +82,44 @@ def test_a_shift_within_the_table_keeps_it():
     assert int((pool.table[slot] != 0).sum()) == 300     # ZERO_SLOT elsewhere
     pool.make_room(4, 400, extra=2)                      # more rows than it has: a new table
     assert pool.table is not grown
+
+
+def test_the_device_table_is_the_host_table_in_every_live_row(monkeypatch):
+    """What the kernels read through the device's copy of the table (`device_table`) is the host's table in
+    every live row, columns [0, ahead): left of a row's start the zero slot, never the slots of a row that held
+    that slot before; and the host's table is the zero slot outside the live rows' columns, while rows join
+    (of random lengths, after random cached prefixes), step, leave and shift in place. Without a GPU the
+    device's copy is a second host tensor."""
+    import numpy as np
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    store = KVStore(1, 1, 4, torch.float32, device, 1 << 15)
+    trie = store.alloc(700)
+    store.take(trie)
+    pool = KVPool(store, rows=4, columns=256)
+    if pool.mirror is None:
+        pool.mirror = torch.zeros_like(pool.table)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        op = rng.integers(5)
+        if op < 2 and pool.rows < 12:                      # a prefill of 1-3 rows
+            lengths = rng.integers(2, 650, rng.integers(1, 4)).tolist()
+            pool.make_room(pool.rows + len(lengths), max(lengths), extra=2)
+            for slot, n in zip(pool.add_rows(lengths), lengths):
+                cached = int(rng.integers(0, n))
+                pool.set_row(slot, trie[:cached], n - cached)
+        elif op == 2 and pool.rows:                        # a decode step
+            pool.make_room(pool.rows, 0, extra=2)
+            pool.reserve(2)
+            pool.end += 1
+        elif op == 3 and pool.rows:                        # a row leaves
+            pool.remove_row(int(rng.integers(pool.rows)))
+        elif op == 4 and rng.random() < 0.2:
+            pool.clear()
+        mirror = pool.device_table().cpu()
+        live = torch.zeros_like(pool.table, dtype=torch.bool)
+        for r in range(pool.rows):
+            assert torch.equal(mirror[r, :pool.ahead], pool.table[r, :pool.ahead]), r
+            live[r, pool.start[r]:pool.ahead] = True
+        assert not pool.table[~live].any()

@@ -90,18 +90,23 @@ class KVPool:
         lo = used_from - shift
         if (row_capacity, columns) == tuple(self.table.shape):
             # a shift within the same table (every row dropped since, or rows longer than `end`): in place,
-            # so that whatever was built on the table (a fused decoder, its CPU plan) stays valid
-            kept = self.table[: self.rows, used_from:self.ahead].clone()
-            self.table.fill_(ZERO_SLOT)
-            self.table[: self.rows, lo:lo + span] = kept
+            # so that whatever was built on the table (a fused decoder, its CPU plan) stays valid. Only the
+            # live rows' block moves: every other entry is the zero slot already (a single query's cached
+            # prompt on a GPU: no fill and no copy of the whole table on its path)
+            block = self._np[: self.rows, used_from:self.ahead]
+            kept = block.copy()
+            block[:] = ZERO_SLOT
+            self._np[: self.rows, lo:lo + span] = kept
+            if self.rows:
+                self._mark(0, self.rows, 0, max(self.ahead, lo + span))
         else:
             new = torch.full((row_capacity, columns), ZERO_SLOT, dtype=torch.int32)
             new[: self.rows, lo:lo + span] = self.table[: self.rows, used_from:self.ahead]
             self.table = new
-        if self.mirror is not None:
-            if self.mirror.shape != self.table.shape:
-                self.mirror = torch.full_like(self.table, ZERO_SLOT, device=self.device)
-            self._dirty = [(0, row_capacity, 0, columns)]
+            if self.mirror is not None:
+                if self.mirror.shape != self.table.shape:
+                    self.mirror = torch.full_like(self.table, ZERO_SLOT, device=self.device)
+                self._dirty = [(0, row_capacity, 0, columns)]
         self.start = [s - shift for s in self.start]
         self.end, self.ahead = new_end, self.ahead - shift
 
@@ -140,7 +145,8 @@ class KVPool:
         row = self._np[slot]
         row[s:s + len(cached)] = cached
         row[s + len(cached):self.ahead] = own
-        self._mark(slot, slot + 1, s, self.ahead)
+        # from column 0: the device's copy of a slot a released row held keeps that row's slots until now
+        self._mark(slot, slot + 1, 0, self.ahead)
 
     def row_slots(self, slot: int) -> np.ndarray:
         """Every store slot row `slot` points at (its prefix's, its own, those reserved ahead)."""
