@@ -317,3 +317,51 @@ async def test_soak_with_cancellations_and_invalid_queries(make_backend):
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
     assert backend.trie.bytes_in_use <= 200_000
     backend.trie.check()
+
+
+LONG = ('"Long instructions for every call: ' + "the quick brown fox jumps over the lazy dog, " * 12
+        + '{x}[A]" where len(TOKENS(A)) < 4')
+
+
+async def test_out_of_memory_prefills_a_long_prompt_in_smaller_parts(make_backend, monkeypatch):
+    """A prefill of more than 48 new tokens runs out of memory: the long prompt (~130 tokens) alone is
+    prefilled in halved parts instead of failing, with the tokens it gets in one piece."""
+    from lmq_backend.engine import admission
+
+    expected = (await lmq.Query(LONG, model=make_backend("llama", cache_budget=0)).run({"x": "ok"})).variables
+    backend = make_backend("llama", cache_budget=0)
+    monkeypatch.setattr(admission, "MIN_PART", 8)
+    prefill, tried = backend.runner.prefill, []
+
+    def small_prefill(pool, rows):
+        tried.append(len(rows[0].ids))
+        if len(rows[0].ids) > 48:
+            raise torch.OutOfMemoryError("simulated: too many new tokens")
+        return prefill(pool, rows)
+
+    monkeypatch.setattr(backend.runner, "prefill", small_prefill)
+    assert (await lmq.Query(LONG, model=backend).run({"x": "ok"})).variables == expected
+    done = [n for n in tried if n <= 48]  # the parts that ran: the whole prompt, none twice
+    assert tried[0] > 100 and sum(done) == tried[0] and len(done) >= 3
+    assert backend.scheduler.pool.rows == 0
+    backend.store.check(backend.trie.node_slots(), [])
+
+
+async def test_a_query_cancelled_between_parts_frees_what_its_parts_hold(make_backend):
+    """A long prompt prefilled in parts of 16 tokens, its query cancelled after the first part: the slots of
+    the parts done go back to the store, and the engine serves the next query."""
+    backend = make_backend("llama")
+    backend.scheduler.max_prefill_tokens = 16
+    steps = []
+    task = asyncio.ensure_future(lmq.Query(LONG, model=backend).run({"x": "ok"}))
+    backend.on_step(lambda s: (steps.append(s), task.cancel()))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [(s.kind, s.new_tokens) for s in steps] == [("prefill", 16)]
+    backend.on_step(None)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not backend.scheduler.waiting and backend.scheduler.pool.rows == 0
+    backend.store.check(backend.trie.node_slots(), [])
+    expected = await reference(make_backend, "llama", [1])
+    assert [(await lmq.Query(SRC, model=backend).run(inputs(1))).variables] == expected

@@ -170,3 +170,24 @@ async def test_default_model_equals_an_independent_hf_instance(default_backend):
     warm.on_step(steps.append)
     assert differences(await run_engine(warm, DEFAULT_SCRIPT, calls, batched=True, seed=4), want) == []
     assert warm.stats().tokens_reused > 0 and max(s.batch_size for s in steps if s.kind == "decode") > 1
+
+
+@pytest.mark.parametrize("cache_budget", [0, "64MB"], ids=["cache-off", "cache-on"])
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_prompts_prefilled_in_parts_equal_the_reference(zoo, family, cache_budget):
+    """A step that takes at most 16 new tokens: every prompt (~90 tokens) is prefilled in parts, each part's
+    K/V the next one's cached prefix, with the cache on or off, while other calls' rows decode; the tokens
+    and the distribution are the reference's, and no slot is left held."""
+    backend = zoo.backend(family, cache_budget)
+    backend.scheduler.max_prefill_tokens = 16
+    steps = []
+    backend.on_step(steps.append)
+    got = await run_engine(backend, SCRIPT, standard_calls(), batched=True, seed=3)
+    assert differences(got, expected(zoo, family)) == []
+    prefills = [s for s in steps if s.kind == "prefill"]
+    assert max(s.new_tokens for s in prefills) <= 16
+    assert sum(s.new_tokens == 16 and s.batch_size == 1 for s in prefills) >= 6  # parts of several calls
+    kinds = "".join(s.kind[0] for s in steps)
+    assert "pdp" in kinds  # rows decode between the parts of a prompt
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting
+    backend.store.check(backend.trie.node_slots(), [])

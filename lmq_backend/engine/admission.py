@@ -7,6 +7,10 @@ is admitted while the store has slots for its new tokens and room for the runnin
 (`DECODE_RESERVE` a row), else it waits for rows to leave (alone, with no running rows, it is tried anyway: a
 failure then says how much it needs). Only the first arrivals are looked up in the trie (`window`): those not
 chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting.
+
+A prompt with more new tokens than a step takes (`max_tokens`) is prefilled in parts, alone, each part's K/V
+the next part's cached prefix (its slots held by the request between parts: `Waiting.advance`); an
+out-of-memory error halves its parts, down to MIN_PART tokens.
 """
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from .runner import PrefillRow
 
 if TYPE_CHECKING:
+    from ..cache.kv_store import KVStore
     from .picks import Choices, Draw
     from .scheduler import Row
 
@@ -26,6 +32,7 @@ SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting req
 AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
 DECODE_RESERVE = 16     # free slots per running row kept for its next decode steps when admitting prefills
 SELECT_MARGIN = 32      # waiting requests looked up beyond what can be chosen, to choose among
+MIN_PART = 256          # an out-of-memory error halves a long prompt's parts down to this many new tokens
 
 
 class PrefillRequest(Protocol):
@@ -46,21 +53,51 @@ class PrefillRequest(Protocol):
 class Waiting:
     request: PrefillRequest
     future: asyncio.Future
-    row: PrefillRow | None = None
+    row: PrefillRow | None = None   # what is left to prefill (after the parts done: their K/V as cached slots)
+    part: int | None = None         # the new tokens this step takes: all (None) or the first `part`
+    most: int | None = None         # the most new tokens a part may take (halved by out-of-memory errors)
+    started: bool = False           # parts ran: `row.slots` holds slots of its own (ROW), not only the trie's
+
+    def step_row(self) -> PrefillRow:
+        """The row this step prefills: the whole row, or its first `part` new tokens."""
+        if self.part is None:
+            return self.row
+        return PrefillRow(self.row.slots, self.row.cached, self.row.ids[:self.part])
+
+    @property
+    def partial(self) -> bool:
+        """Does this step prefill only a part of the row (more parts follow)?"""
+        return self.part is not None
+
+    def advance(self, slots: np.ndarray) -> None:
+        """The part ran; `slots`: the store slots of its row's tokens (cached and new), the next part's prefix."""
+        self.row = PrefillRow(slots, self.row.cached + self.part, self.row.ids[self.part:])
+        self.part, self.started = None, True
+
+
+def drop(store: KVStore, waiting: list[Waiting]) -> None:
+    """Requests that will not be prefilled: free the slots that the parts done of a long prompt hold."""
+    for w in waiting:
+        if w.started:
+            store.free_rows(w.row.slots)
+            w.started = False
 
 
 def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
            read_limit: int | None) -> list[Waiting]:
     """The waiting requests to prefill now: at most `seats`, their new tokens at most `max_tokens` and the
     columns their attention reads (cached + new) at most `read_limit` (None: no limit) together (a first one
-    alone passes these two), each needing its new tokens + AHEAD + DECODE_RESERVE of the `room` free slots
-    unless it is the only one and no rows are `running`."""
+    alone passes the read limit; a prompt of more new tokens than `max_tokens`, or its `most`, is chosen
+    alone and prefills a part: `Waiting.part`), each needing its new tokens + AHEAD + DECODE_RESERVE of the
+    `room` free slots unless it is the only one and no rows are `running`."""
     if seats <= 0:
         return []
     ready = window(waiting, seats + SELECT_MARGIN, read_limit)
     for w in ready:
-        w.row = w.request.prepare()
-    ready.sort(key=lambda w: -w.row.cached)
+        w.part = None
+        if not w.started:  # (a prompt prefilled in parts keeps its row: the parts done are its cached prefix)
+            w.row = w.request.prepare()
+    ready.sort(key=lambda w: (not w.started, -w.row.cached))
     chosen: list[Waiting] = []
     tokens = read = 0
     starts: dict[tuple[int, int], list[Waiting]] = {}
@@ -71,17 +108,23 @@ def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tok
         # length: a dict lookup, then the exact check against those few)
         key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
         shares = any(shares_new_prefix(w, c) for c in starts.get(key, ()))
-        if shares or (chosen and (tokens + len(w.row.ids) > max_tokens
+        most = min(max_tokens, w.most or max_tokens)
+        part = most if len(w.row.ids) > most else None  # a long prompt: its next part, alone
+        if shares or (chosen and (part is not None or tokens + len(w.row.ids) > max_tokens
                                   or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit))):
             continue
-        need = len(w.row.ids) + AHEAD + DECODE_RESERVE
+        new = part or len(w.row.ids)
+        need = new + AHEAD + DECODE_RESERVE
         if need > room and (chosen or running):  # wait for rows to leave (alone, it is tried anyway)
             continue
+        w.part = part
         chosen.append(w)
+        if part is not None:
+            break
         starts.setdefault(key, []).append(w)
         room -= need
-        tokens += len(w.row.ids)
-        read += w.row.cached + len(w.row.ids)
+        tokens += new
+        read += w.row.cached + new
     return chosen
 
 

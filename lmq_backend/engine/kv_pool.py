@@ -152,10 +152,10 @@ class KVPool:
         """Every store slot row `slot` points at (its prefix's, its own, those reserved ahead)."""
         return self._np[slot, self.start[slot]:self.ahead]
 
-    def release_row(self, slot: int) -> None:
-        """Free the slots the row owns (not the trie's): before `remove_row`, or when a failed prefill's rows
-        are dropped."""
-        self.store.free_rows(self.row_slots(slot))
+    def release_row(self, slot: int, keep: int = 0) -> None:
+        """Free the slots the row owns (not the trie's), but those of its first `keep` tokens: before
+        `remove_row`, or when a failed prefill's rows are dropped."""
+        self.store.free_rows(self.row_slots(slot)[keep:])
         self._np[slot, self.start[slot]:self.ahead] = ZERO_SLOT
 
     def clear(self) -> None:
@@ -165,11 +165,12 @@ class KVPool:
         self.rows, self.start, self.end, self.ahead = 0, [], self.headroom, self.headroom
         self.version += 1
 
-    def remove_row(self, slot: int) -> int | None:
-        """Free a row's slots and its table row, moving the last row into it to keep rows dense; returns the
-        moved row's old slot (its new slot is `slot`), or None."""
+    def remove_row(self, slot: int, keep: int = 0) -> int | None:
+        """Free a row's slots (but its first `keep` tokens': a prompt's part prefilled, which the next part
+        reads as its cached prefix) and its table row, moving the last row into it to keep rows dense;
+        returns the moved row's old slot (its new slot is `slot`), or None."""
         self.version += 1
-        self.release_row(slot)
+        self.release_row(slot, keep)
         last = self.rows - 1
         moved = None
         if slot != last:

@@ -14,10 +14,12 @@ Rows join and leave between steps. Which waiting prefills a step runs is `admiss
 prefill that waits behind another one sharing a long uncached prefix is held back a round, so the shared
 part is computed once and then found in the trie; prefills are admitted while the decode batch has seats
 (`runner.max_batch` rows) and the K/V store has slots for their new tokens and room for the running rows
-to grow (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. An
-out-of-memory error, or a store that runs short, splits the batch and retries the halves; a row that
-does not fit waits for running rows to leave. Any other failure of a prefill splits it too, down to the
-query whose prefill fails alone: that query gets the error, the others run. When the running rows' next
+to grow (`DECODE_RESERVE` a row, counting what evicting unpinned trie leaves frees); the rest wait. A prompt
+of more new tokens than a step takes is prefilled in parts, the running rows stepping between them. An
+out-of-memory error, or a store that runs short, splits the batch and retries the halves (a long prompt's
+parts, down to `admission.MIN_PART` tokens); a row that does not fit waits for running rows to leave. Any
+other failure of a prefill splits it too, down to the query whose prefill fails alone: that query gets the
+error, the others run. When the running rows' next
 decode columns need more slots than the store can give, the rows that joined last are preempted (vLLM's
 recompute preemption): they leave the batch, their queries get `Preempted` and prefill their tokens again,
 from the trie where it still holds them, and go on.
@@ -93,6 +95,7 @@ class Scheduler:
         self._joined = 0
         self.preemptions = 0
         self._stepping = False  # a step is running (it may await the device: see `_device_done`)
+        self._after_part = False  # the last step prefilled a part of a long prompt: rows decode before its next
 
     # ----- the queries' side ----------------------------------------------------------------------------
 
@@ -106,6 +109,7 @@ class Scheduler:
         try:
             return await future
         except asyncio.CancelledError:
+            admission.drop(self.store, [w for w in self.waiting if w.future is future])
             self.waiting = [w for w in self.waiting if w.future is not future]
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result()[1])
@@ -174,6 +178,7 @@ class Scheduler:
             row.live = False
         self.rows.clear()
         self.decodes.clear()
+        admission.drop(self.store, self.waiting)
         self.waiting.clear()
         self.pool.clear()
 
@@ -184,13 +189,16 @@ class Scheduler:
             # let every query that is ready submit, and cancellations land, before the step (rows that go on
             # through their continuations never leave this task: without it, they would starve the loop)
             await asyncio.sleep(0)
-            self._compact()
             ran = False
             self._stepping = True
-            try:
+            try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
+                self._compact()
                 # prefills first (rows join the batch as early as they can); a prefill that cannot be
                 # admitted now (no seat, no slots) waits, and the running rows decode meanwhile
-                ran = bool(self.waiting) and await self._prefill_step()
+                # (after a part of a long prompt, the running rows take a step before its next part)
+                decode_first = self._after_part and self.rows and len(self.decodes) == len(self.rows)
+                self._after_part = False
+                ran = not decode_first and bool(self.waiting) and await self._prefill_step()
                 if not ran and self.rows and len(self.decodes) == len(self.rows):
                     await self._decode_step()
                     ran = True
@@ -221,6 +229,7 @@ class Scheduler:
         """Run the prefills `_select` admits now; False if it admits none."""
         chosen = self._select()
         chosen_set = set(map(id, chosen))
+        admission.drop(self.store, [w for w in self.waiting if w.future.done()])
         self.waiting = [w for w in self.waiting if id(w) not in chosen_set and not w.future.done()]
         await self._prefill(chosen)
         return bool(chosen)
@@ -230,27 +239,46 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            logits, slots = self.runner.prefill(self.pool, [w.row for w in batch])
+            logits, slots = self.runner.prefill(self.pool, [w.step_row() for w in batch])
         except BaseException as e:
             while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
                 self.pool.remove_row(self.pool.rows - 1)
             if not isinstance(e, Exception):  # (the scheduler itself is stopping)
                 _fail([w.future for w in batch], e)  # taken off `waiting` already: `_fail_all` would not reach them
+                admission.drop(self.store, batch)
                 raise
             if len(batch) > 1:  # out of memory, or a failure one query's rows may cause: halves, retried
                 half = len(batch) // 2
                 await self._prefill(batch[:half])
                 await self._prefill(batch[half:])
                 return
-            if not isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
-                batch[0].future.set_exception(e)  # its own prefill fails alone: that query gets the error
+            w, new = batch[0], len(batch[0].step_row().ids)
+            if isinstance(e, torch.OutOfMemoryError) and new > admission.MIN_PART:  # in smaller parts
+                w.most = max(admission.MIN_PART, new // 2)
+                self.waiting.insert(0, w)
                 return
-            if self.rows:  # running rows will leave and free their slots: wait for them
-                self.waiting.append(Waiting(batch[0].request, batch[0].future))
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and self.rows:
+                self.waiting.append(w)  # running rows will leave and free their slots: wait for them
                 return
-            what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
-            batch[0].future.set_exception(LMQBackendError(
-                f"out of {what} prefilling one query alone ({len(batch[0].row.ids)} new tokens): {e}"))
+            admission.drop(self.store, batch)
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
+                what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
+                e = LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
+            w.future.set_exception(e)  # its own prefill fails alone: that query gets the error
+            return
+        if batch[0].partial:  # (alone) a part of a long prompt: its K/V are the cached prefix of the next part
+            w = batch[0]
+            keep = w.row.cached + w.part
+            held = self.pool.segment(slots[0], 0, keep)
+            self.pool.remove_row(slots[0], keep)
+            new, cached = w.part, w.row.cached
+            w.advance(held)
+            if w.future.done():
+                admission.drop(self.store, [w])
+            else:
+                self.waiting.insert(0, w)
+                self._after_part = True
+            self._report("prefill", 1, new, cached, started)
             return
         try:
             await self._device_done()
@@ -351,6 +379,7 @@ class Scheduler:
     def _fail_all(self, error: Exception) -> None:
         """A step failed unexpectedly: every query waiting on the engine gets the error."""
         _fail([w.future for w in self.waiting] + [d[2] for d in self.decodes.values()], error)
+        admission.drop(self.store, self.waiting)
         self.waiting.clear()
         self.decodes.clear()
 
