@@ -365,3 +365,23 @@ async def test_a_query_cancelled_between_parts_frees_what_its_parts_hold(make_ba
     backend.store.check(backend.trie.node_slots(), [])
     expected = await reference(make_backend, "llama", [1])
     assert [(await lmq.Query(SRC, model=backend).run(inputs(1))).variables] == expected
+
+
+async def test_a_long_prompt_comes_in_parts_only_while_rows_decode(make_backend):
+    """`max_part_tokens`: alone, a long prompt is one prefill; arriving while another query decodes, it comes
+    in parts, that query's row stepping between them; the results are those of the query alone."""
+    backend = make_backend("llama", cache_budget=0)
+    backend.scheduler.max_part_tokens = 32
+    expected = (await lmq.Query(LONG, model=backend).run({"x": "ok"})).variables
+    steps = []
+    backend.on_step(steps.append)
+    assert (await lmq.Query(LONG, model=backend).run({"x": "ok"})).variables == expected
+    assert [s.new_tokens for s in steps if s.kind == "prefill"] == [steps[0].new_tokens] and steps[0].new_tokens > 100
+    steps.clear()
+    busy = asyncio.ensure_future(lmq.Query('"Count:[A]" where len(TOKENS(A)) < 40', model=backend).run({}))
+    while not any(s.kind == "decode" for s in steps):
+        await asyncio.sleep(0)
+    assert (await lmq.Query(LONG, model=backend).run({"x": "ok"})).variables == expected
+    await busy
+    parts = [i for i, s in enumerate(steps) if s.kind == "prefill" and s.new_tokens == 32]
+    assert len(parts) >= 3 and all(steps[i + 1].kind == "decode" for i in parts)

@@ -84,11 +84,11 @@ def drop(store: KVStore, waiting: list[Waiting]) -> None:
 
 
 def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
-           read_limit: int | None) -> list[Waiting]:
+           read_limit: int | None, max_part: int | None = None) -> list[Waiting]:
     """The waiting requests to prefill now: at most `seats`, their new tokens at most `max_tokens` and the
     columns their attention reads (cached + new) at most `read_limit` (None: no limit) together (a first one
-    alone passes the read limit; a prompt of more new tokens than `max_tokens`, or its `most`, is chosen
-    alone and prefills a part: `Waiting.part`), each needing its new tokens + AHEAD + DECODE_RESERVE of the
+    alone passes the read limit; a prompt of more new tokens than `max_tokens`, its `most` or, while rows are
+    `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`), each needing its new tokens + AHEAD + DECODE_RESERVE of the
     `room` free slots unless it is the only one and no rows are `running`."""
     if seats <= 0:
         return []
@@ -108,7 +108,7 @@ def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tok
         # length: a dict lookup, then the exact check against those few)
         key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
         shares = any(shares_new_prefix(w, c) for c in starts.get(key, ()))
-        most = min(max_tokens, w.most or max_tokens)
+        most = min(max_tokens, (running and max_part) or max_tokens, w.most or max_tokens)
         part = most if len(w.row.ids) > most else None  # a long prompt: its next part, alone
         if shares or (chosen and (part is not None or tokens + len(w.row.ids) > max_tokens
                                   or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit))):

@@ -77,6 +77,7 @@ class Scheduler:
     runner: ModelRunner
     store: KVStore
     max_prefill_tokens: int = 16384
+    max_part_tokens: int | None = None  # a longer prompt's new tokens are prefilled in parts; None: the runner's
     # columns a prefill's attention reads (cached + new tokens of every row), where its attention gathers
     # them; None: the runner's `prefill_read_limit`
     max_prefill_read: int | None = None
@@ -215,7 +216,9 @@ class Scheduler:
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
         room = self.store.available() - DECODE_RESERVE * len(self.rows)
-        return admission.select(self.waiting, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit)
+        part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
+        return admission.select(self.waiting, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit,
+                                part)
 
     async def _device_done(self) -> None:
         """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
