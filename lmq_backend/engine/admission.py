@@ -8,9 +8,9 @@ is admitted while the store has slots for its new tokens and room for the runnin
 failure then says how much it needs). Only the first arrivals are looked up in the trie (`window`): those not
 chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting.
 
-A prompt with more new tokens than a step takes (`max_tokens`) is prefilled in parts, alone, each part's K/V
-the next part's cached prefix (its slots held by the request between parts: `Waiting.advance`); an
-out-of-memory error halves its parts, down to MIN_PART tokens.
+A prompt with more new tokens than a step takes (`max_tokens`; while rows decode, `max_part`) is prefilled in
+parts, alone, each part's K/V the next part's cached prefix (its slots held by the request between parts:
+`Waiting.advance`); an out-of-memory error halves its parts, down to MIN_PART tokens.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tok
     """The waiting requests to prefill now: at most `seats`, their new tokens at most `max_tokens` and the
     columns their attention reads (cached + new) at most `read_limit` (None: no limit) together (a first one
     alone passes the read limit; a prompt of more new tokens than `max_tokens`, its `most` or, while rows are
-    `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`), each needing its new tokens + AHEAD + DECODE_RESERVE of the
-    `room` free slots unless it is the only one and no rows are `running`."""
+    `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`), each needing its new tokens +
+    AHEAD + DECODE_RESERVE of the `room` free slots unless it is the only one and no rows are `running`."""
     if seats <= 0:
         return []
     ready = window(waiting, seats + SELECT_MARGIN, read_limit)

@@ -19,10 +19,9 @@ of more new tokens than a step takes is prefilled in parts, the running rows ste
 out-of-memory error, or a store that runs short, splits the batch and retries the halves (a long prompt's
 parts, down to `admission.MIN_PART` tokens); a row that does not fit waits for running rows to leave. Any
 other failure of a prefill splits it too, down to the query whose prefill fails alone: that query gets the
-error, the others run. When the running rows' next
-decode columns need more slots than the store can give, the rows that joined last are preempted (vLLM's
-recompute preemption): they leave the batch, their queries get `Preempted` and prefill their tokens again,
-from the trie where it still holds them, and go on.
+error, the others run. When the running rows' next decode columns need more slots than the store can give,
+the rows that joined last are preempted (vLLM's recompute preemption): they leave the batch, their queries
+get `Preempted` and prefill their tokens again, from the trie where it still holds them, and go on.
 """
 from __future__ import annotations
 
@@ -264,10 +263,11 @@ class Scheduler:
                 self.waiting.append(w)  # running rows will leave and free their slots: wait for them
                 return
             admission.drop(self.store, batch)
+            error = e  # its own prefill fails alone: that query gets the error
             if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
                 what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
-                e = LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
-            w.future.set_exception(e)  # its own prefill fails alone: that query gets the error
+                error = LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
+            w.future.set_exception(error)
             return
         if batch[0].partial:  # (alone) a part of a long prompt: its K/V are the cached prefix of the next part
             w = batch[0]
