@@ -86,8 +86,9 @@ class ModelRunner:
         """The most new tokens of one prompt that a prefill step takes while rows decode (a longer prompt is
         prefilled in parts, the rows stepping between them), or None: the scheduler's `max_prefill_tokens`.
         On a CPU 512: a 2,600-token prompt (the default model, 2 Zen 4 cores) stalled 4 decoding rows for 4.8 s
-        in one piece, 1.3 s in parts of 512, its own prefill 7-21% slower (`benchmarks/bench_long_prompt.py`);
-        with no rows decoding it is prefilled in one piece."""
+        in one piece, 1.3 s in parts of 512, its own prefill 7-21% slower (BLAS's GEMMs are less efficient at
+        512 rows than at 2,600: `benchmarks/bench_long_prompt.py`); with no rows decoding it is prefilled in
+        one piece."""
         return 512 if self.device.type == "cpu" else None
 
     def new_store(self, budget_bytes: int) -> KVStore:
