@@ -90,6 +90,13 @@ def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     return torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))[:, 0]
 
 
+def per_row(pick, logits: torch.Tensor, asks: list) -> dict:
+    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
+    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
+    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
+    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 

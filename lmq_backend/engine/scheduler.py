@@ -37,7 +37,7 @@ from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
 from . import admission
 from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
-from .picks import Draw
+from .picks import Draw, per_row
 from .runner import ModelRunner
 
 
@@ -285,8 +285,8 @@ class Scheduler:
             return
         try:
             await self._device_done()
-            drawn = _per_row(self.runner.sample, logits, [w.request.draw for w in batch])
-            chosen = _per_row(self.runner.choose, logits, [w.request.choices for w in batch])
+            drawn = per_row(self.runner.sample, logits, [w.request.draw for w in batch])
+            chosen = per_row(self.runner.choose, logits, [w.request.choices for w in batch])
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
@@ -331,7 +331,7 @@ class Scheduler:
         self.decodes = {}
         try:
             await self._device_done()
-            drawn = _per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
+            drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
             self._report("decode", len(tokens), len(tokens), cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
             _fail([w[2] for w in work], e)  # (taken off `decodes`: `_fail_all` would not reach them)
@@ -389,13 +389,6 @@ class Scheduler:
     def _report(self, kind: str, batch: int, new: int, cached: int, started: float) -> None:
         if self.on_step is not None:
             self.on_step(StepInfo(kind, batch, new, cached, time.perf_counter() - started))
-
-
-def _per_row(pick: Callable, logits: torch.Tensor, asks: list) -> dict:
-    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
-    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
-    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
-    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}
 
 
 def _fail(futures: list[asyncio.Future], error: BaseException) -> None:
