@@ -385,3 +385,26 @@ async def test_a_long_prompt_comes_in_parts_only_while_rows_decode(make_backend)
     await busy
     parts = [i for i, s in enumerate(steps) if s.kind == "prefill" and s.new_tokens == 32]
     assert len(parts) >= 3 and all(steps[i + 1].kind == "decode" for i in parts)
+
+
+async def test_a_failure_in_the_step_loops_bookkeeping_fails_the_queries_and_none_hangs(make_backend, monkeypatch):
+    """The step loop's own bookkeeping (here `_compact`, which frees the slots of rows that left) raising once:
+    the queries waiting on the engine get the error (none waits forever), and the engine serves the next ones."""
+    backend = make_backend("llama")
+    scheduler = backend.scheduler
+    compact, failed = scheduler._compact, []
+
+    def broken():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("simulated: bookkeeping bug")
+        compact()
+
+    monkeypatch.setattr(scheduler, "_compact", broken)
+    q = lmq.Query(SRC, model=backend)
+    results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in range(4)), return_exceptions=True),
+                                     timeout=60)
+    assert any(isinstance(r, RuntimeError) for r in results)
+    expected = await reference(make_backend, "llama", [0, 1])
+    assert [(await q.run(inputs(i))).variables for i in (0, 1)] == expected
+    assert backend.trie.pinned_nodes() == 0 and scheduler.pool.rows == 0
