@@ -15,8 +15,9 @@
  * weights (from L1). (One 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to
  * 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at build time (for measurements).
  *
- * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (the accumulators go back
- * to y between chunks: more rows of x amortise that over longer chunks), 4 and 8 when the weight's row
+ * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (64 in a panel of a
+ * panel-major copy, one stream; the accumulators go back to y between chunks: more rows of x amortise that
+ * over longer chunks), 4 and 8 when the weight's row
  * stride is a multiple of 4 KB (the lm_head of a 49152 vocabulary, a 3072-wide gate_up): such rows share
  * their cache sets, and a long chunk is evicted before it is used (measured on Zen 3, 1 thread). A thread
  * walks its columns in panels of LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in L2 until used).
@@ -131,13 +132,17 @@ static void panel(const float *x, long ldx, const float *w, long ldw, float *y, 
     }
 }
 
-/* A thread's columns [n0, n1) (whole blocks) and its vector tail up to n2, in panels (see the top). */
+/* A thread's columns [n0, n1) (whole blocks) and its vector tail up to n2, in panels (see the top).
+ * `contiguous`: the weight is one panel of a panel-major copy (its rows ldw = P apart, one stream). */
 static void columns(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-                    int M, long K, int accumulate, long n0, long n1, long n2) {
+                    int M, long K, int accumulate, long n0, long n1, long n2, int contiguous) {
     /* weight rows whose stride is a multiple of 4 KB share their L1 sets (and of 64 KB their L2 sets): a
-     * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes */
+     * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes.
+     * A panel's chunk of 64 rows is 16 KB of one stream: over 5+ rows it beats 16 (the accumulators go back
+     * to y 4x less often, the prefetch runs 4x further ahead): 576x3072 at 8 rows 0.33 -> 0.26 ms, at 16
+     * 0.52 -> 0.39 (2 threads, Zen 4; benchmarks/RESULTS.md, twentieth session) */
     const int aliased = (ldw * (long)sizeof(float)) % 4096 == 0;
-    const long kc_rows = M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
+    const long kc_rows = M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : contiguous ? 64 : (aliased ? 8 : 16);
     const long cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / NB * NB, step = cols > NB ? cols : NB;
     for (long p = n0; p < n1; p += step) {
         const long p1 = n1 - p < step ? n1 : p + step;
@@ -167,7 +172,7 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
     if (K * N < LMQ_GEMM_SERIAL_BELOW) nt = 1;   /* a small weight: a second thread costs more than it saves */
     if (t >= nt) return;
     const long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, last = t == nt - 1;
-    columns(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB, last ? vec_end : b1 * NB);
+    columns(x, ldx, w, ldw, y, ldy, M, K, accumulate, b0 * NB, b1 * NB, last ? vec_end : b1 * NB, 0);
     if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
 }
 
@@ -184,7 +189,7 @@ void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, flo
     if (K * N < LMQ_GEMM_SERIAL_BELOW) nt = 1;
     if (t >= nt) return;
     for (long p = panels * t / nt; p < panels * (t + 1) / nt; p++)
-        columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P);
+        columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P, 1);
 }
 
 /* y (+)= x @ w on `threads` threads (lmq_gemm_share each). Row strides ldx, ldw, ldy in elements; the last

@@ -99,7 +99,7 @@ def test_matches_float64_reference(m, k, n, accumulate, kernels):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 1024), (2, 96, 64), (5, 100, 192), (8, 576, 3072)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1024), (2, 96, 64), (5, 100, 192), (8, 576, 3072), (17, 200, 128)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_panel_major_weights_give_the_k_major_bits(m, k, n, accumulate, kernels):
     """The same weights read from their panel-major copy (`cpu_step.panel_major`, what the CPU step and its
