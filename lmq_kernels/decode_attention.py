@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -74,10 +74,23 @@ import triton.language as tl
 
 from .decode_kernels import _stage1_src, _stage2_src
 
-__all__ = ["decode_attention", "choose_num_splits", "interpreter_active"]
+__all__ = ["decode_attention", "choose_num_splits", "interpreter_active", "NewToken"]
 
 
-_JIT_KW = {"_decode_stage1": dict(do_not_specialize=["end_val", "B", "CHUNK", "NUM_SPLITS"]),
+class NewToken(NamedTuple):
+    """What `decode_attention` needs to rotate the step's new token itself and append its K/V (the fused
+    step's one launch a layer): positions int32 ``[B]`` (the new token's, device), RoPE's inv_freq fp32
+    ``[D/2]``, the QK-norm weights ``[D]`` (None: no QK-norm) and epsilon, and ``nrows`` (int32 ``[1]``, device:
+    rows ``b >= nrows`` are a graph bucket's padding and write nothing)."""
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    eps: float
+    nrows: torch.Tensor
+
+
+_JIT_KW = {"_decode_stage1": dict(do_not_specialize=["end_val", "B", "CHUNK", "NUM_SPLITS", "eps"]),
            "_decode_stage2": dict(do_not_specialize=["end_val", "CHUNK", "NUM_SPLITS"])}
 
 _decode_stage1 = triton.jit(**_JIT_KW["_decode_stage1"])(_stage1_src)
@@ -204,6 +217,7 @@ def decode_attention(
     fused_reduce: bool = True,
     table: Optional[torch.Tensor] = None,
     rows: Optional[int] = None,
+    new_token: Optional[NewToken] = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per row over a left-padded KV cache.
 
@@ -213,6 +227,11 @@ def decode_attention(
     tensor); end: int32 ``[1]`` device tensor (read by the kernel, CUDA-graph
     safe) or Python int. Attends row ``b`` over columns ``[start[b], end)``.
     Returns ``out`` ``[B, Hq, D]`` in ``q.dtype`` (written in place when given).
+
+    With ``new_token`` (paged only, ``D`` a power of two), ``q`` is the first ``Hq`` heads of the step's QKV
+    projection ``[B, Hq + 2 H_kv, D]`` (rows ``q.stride(0)``, heads ``q.stride(1)`` apart), before QK-norm and
+    RoPE: the kernel rotates the queries, and writes each row's rotated k head and its v head to the slot of
+    column ``end - 1`` of its page table before attending over ``[start[b], end)``.
 
     The keyword-only knobs override the heuristics (benchmarks/tests only).
     """
@@ -275,6 +294,14 @@ def decode_attention(
         end_from_ptr, end_ptr, end_val = False, start, int(end)
         assert 0 <= end_val <= S
 
+    if new_token is not None:
+        assert paged and D == block_d and new_token.positions.device == q.device, "new_token: paged, D a power of two"
+        pos, inv_freq, eps, nrows = new_token.positions, new_token.inv_freq, float(new_token.eps), new_token.nrows
+        qn = new_token.q_norm if new_token.q_norm is not None else inv_freq
+        kn = new_token.k_norm if new_token.k_norm is not None else inv_freq
+    else:
+        pos = inv_freq = qn = kn = nrows = start  # unused
+        eps = 0.0
     if q.device.type == "cuda":
         stage1, stage2 = _decode_stage1, _decode_stage2
     elif interpreter_active():
@@ -283,6 +310,8 @@ def decode_attention(
         # CPU without Triton's interpreter: the kernels cannot run; use the torch reference.
         from .reference import decode_attention_reference
 
+        if new_token is not None:
+            raise NotImplementedError("decode_attention(new_token=...) runs the Triton kernel only")
         if paged:  # the dense [B, H_kv, S, D] view of the rows' columns
             k_cache, v_cache = (c[table[:B].long()].transpose(1, 2) for c in (k_cache, v_cache))
         out.copy_(decode_attention_reference(q, k_cache, v_cache, start, end, sm_scale))
@@ -302,6 +331,7 @@ def decode_attention(
     stage1[(blocks * H_kv, splits)](
         q, k_cache, v_cache, table if paged else start, table.stride(0) if paged else 0, start, end_ptr, end_val,
         mid_o, mid_lse, out, counter,
+        pos, inv_freq, qn, kn, nrows, eps,
         float(sm_scale) * 1.4426950408889634,
         B, H_kv, chunk,
         q.stride(0), q.stride(1),
@@ -311,6 +341,7 @@ def decode_attention(
         G=G, GP=gp, ROWS=rows, M=m, D=D, BLOCK_D=block_d, BLOCK_N=cfg_bn,
         END_FROM_PTR=end_from_ptr, USE_DOT=cfg_dot, DOT_PREC=dot_prec,
         SINGLE_SPLIT=single, FUSED_REDUCE=fused, SPLIT_TILE=8, PAGED=paged,
+        NEW_TOKEN=new_token is not None, QK_NORM=new_token is not None and new_token.q_norm is not None,
         num_warps=cfg_warps,
     )
     if not single and not fused:

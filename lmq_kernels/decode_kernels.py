@@ -17,6 +17,12 @@ on the same tile (its own dot-product row, the same masks, the same online-softm
 result does not depend on which rows share its program: the same bits batched or alone, for a given
 ``CHUNK`` and ``BLOCK_N``.
 
+New token (``NEW_TOKEN``, the fused decode step): ``Q`` is the step's QKV projection instead of roped
+queries. Each program rotates its query heads itself (``_roped_heads``: QK-norm and RoPE, rounded as the
+step's RoPE kernel rounds), and the program whose chunk holds a row's new column (``end - 1``) rotates that
+row's k head and writes it and the v head to the row's slot there before it reads its tiles: one launch a
+layer instead of a RoPE/append kernel and the attention.
+
 It writes the normalised partial output and its log-sum-exp (base 2) per chunk; the last program of a
 (block, KV head) to take a ticket (``acq_rel`` atomic) merges the chunks of its rows in chunk order and
 writes the output (``FUSED_REDUCE``); ``_stage2_src`` is that merge as a separate kernel. With one chunk,
@@ -54,9 +60,42 @@ def _tile(q, k_base, v_base, stride_ks, stride_vs, slots, mask_n, upd, offs_d, m
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _rope_table(pos, INV_FREQ, D: tl.constexpr, HALF: tl.constexpr):
+    """RoPE's cos and sin at positions `pos` ([R]) for each of a head's D elements: [R, D] each."""
+    offs = tl.arange(0, D)
+    freq = pos.to(tl.float32)[:, None] * tl.load(INV_FREQ + tl.where(offs < HALF, offs, offs - HALF))[None, :]
+    return tl.cos(freq), tl.sin(freq)
+
+
+@triton.jit
+def _roped_heads(SRC, rows64, ok, stride_row, stride_h, head, c, s, NORM_W, eps, dtype,
+                 D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """Head `head` of rows `rows64` of a QKV projection ([R] each; rows `stride_row`, heads `stride_h` apart),
+    RMS-normed (QK_NORM) and rotated by RoPE (`c`, `s`: `_rope_table`'s, [R, D] or [1, D]), rounded to `dtype`
+    where the fused step's RoPE kernel rounds (`lmq_backend/engine/fused/kernels.py`): [R, D] in `dtype`."""
+    offs = tl.arange(0, D)
+    lo = offs < HALF
+    pair = tl.where(lo, offs + HALF, offs - HALF)     # the other half of each rotated pair
+    base = SRC + rows64[:, None] * stride_row + head[:, None] * stride_h
+    m = ok[:, None] & (offs < D)[None, :]
+    x = tl.load(base + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(base + pair[None, :], mask=m, other=0.0).to(tl.float32)
+    if QK_NORM:
+        sq = x * x
+        rstd = tl.rsqrt((tl.sum(tl.where(lo[None, :], sq, 0.0), axis=1) +
+                         tl.sum(tl.where(lo[None, :], 0.0, sq), axis=1)) / D + eps)[:, None]
+        w = tl.load(NORM_W + offs).to(tl.float32)[None, :]
+        wp = tl.load(NORM_W + pair).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+    return tl.where(lo[None, :], x * c - xp * s, x * c + xp * s).to(dtype)
+
+
 def _stage1_src(
     Q, K, V, TABLE, stride_tb, START, END_PTR, end_val,
     MID_O, MID_LSE, OUT, COUNTER,
+    POS, INV_FREQ, QN_W, KN_W, NROWS, eps,  # NEW_TOKEN only
     qk_scale,  # sm_scale * log2(e)
     B, H_KV, CHUNK,
     stride_qb, stride_qh,
@@ -68,7 +107,7 @@ def _stage1_src(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     END_FROM_PTR: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_TILE: tl.constexpr,
-    PAGED: tl.constexpr,
+    PAGED: tl.constexpr, NEW_TOKEN: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -98,8 +137,17 @@ def _stage1_src(
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    q = tl.load(Q + b_m64[:, None] * stride_qb + heads_m[:, None] * stride_qh + offs_d[None, :],
-                mask=valid_m[:, None] & mask_d[None, :], other=0.0)
+    if NEW_TOKEN:  # Q is the step's QKV projection: q heads rotated here
+        if ROWS == 1:  # one position: one row of cos/sin for every query head (and the k head below)
+            cos_r, sin_r = _rope_table(tl.load(POS + b_r, mask=b_r < B, other=0), INV_FREQ, D, D // 2)
+            cos_m, sin_m = cos_r, sin_r
+        else:
+            cos_m, sin_m = _rope_table(tl.load(POS + b_m, mask=valid_m, other=0), INV_FREQ, D, D // 2)
+        q = _roped_heads(Q, b_m64, valid_m, stride_qb, stride_qh, heads_m, cos_m, sin_m, QN_W, eps,
+                         K.dtype.element_ty, D, D // 2, QK_NORM)
+    else:
+        q = tl.load(Q + b_m64[:, None] * stride_qb + heads_m[:, None] * stride_qh + offs_d[None, :],
+                    mask=valid_m[:, None] & mask_d[None, :], other=0.0)
     if not USE_DOT:
         q = q.to(tl.float32)
     if PAGED:  # K/V [N, H_kv, D]: column c of row b is slot TABLE[b, c]
@@ -108,6 +156,25 @@ def _stage1_src(
     else:  # dense [B, H_kv, S, D], one row a program (ROWS == 1): the "slot" is the column
         k_base = K + blk.to(tl.int64) * stride_kb + kvh64 * stride_kh
         v_base = V + blk.to(tl.int64) * stride_vb + kvh64 * stride_vh
+
+    if NEW_TOKEN:
+        # each row's new token (column end - 1) is in one chunk: that chunk's program rotates its k head and
+        # writes it and its v head to the row's slot there, then reads them back with the other columns
+        # (the barrier makes every thread's stores visible to the program's loads)
+        new_col = end - 1
+        new_r = (b_r < tl.load(NROWS)) & (start_r <= new_col) & ((new_col - start_r) // CHUNK == split)
+        b_r64 = b_r.to(tl.int64)
+        slot_r = tl.load(TABLE + b_r64 * stride_tb + new_col, mask=new_r, other=0).to(tl.int64)
+        if ROWS > 1:
+            cos_r, sin_r = _rope_table(tl.load(POS + b_r, mask=new_r, other=0), INV_FREQ, D, D // 2)
+        k_new = _roped_heads(Q, b_r64, new_r, stride_qb, stride_qh, H_KV * G + kvh64 + 0 * b_r64, cos_r, sin_r,
+                             KN_W, eps, K.dtype.element_ty, D, D // 2, QK_NORM)
+        v_src = Q + b_r64[:, None] * stride_qb + (H_KV * G + H_KV + kvh64) * stride_qh + offs_d[None, :]
+        v_new = tl.load(v_src, mask=new_r[:, None] & mask_d[None, :], other=0.0)
+        tl.store(k_base + slot_r[:, None] * stride_ks + offs_d[None, :], k_new, mask=new_r[:, None] & mask_d[None, :])
+        tl.store(v_base + slot_r[:, None] * stride_vs + offs_d[None, :], v_new.to(V.dtype.element_ty),
+                 mask=new_r[:, None] & mask_d[None, :])
+        tl.debug_barrier()
 
     # the leading tiles every row with tokens in this chunk shares: as many tokens there, from the same
     # first and last slot

@@ -1,50 +1,19 @@
 """Tests of the Triton decode-attention kernel against the torch reference.
 
-CPU: the kernels run under Triton's interpreter.  ``TRITON_INTERPRET`` must be
-set before ``triton`` is first imported (Triton binds its ``tl`` helpers to the
-mode at import time), so it is set here before any import of triton.  When the
-whole suite runs in one process and another test module imported triton first,
-the in-process CPU tests skip and ``test_interpreter_in_subprocess`` runs this
-file again in a fresh interpreter with ``TRITON_INTERPRET=1``.
-
-GPU: the ``cuda`` tests need ``TRITON_INTERPRET=0`` (real compilation), e.g.
-``TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py -k cuda``.
+CPU: the kernels run under Triton's interpreter (`interpreted.py` sets ``TRITON_INTERPRET=1`` before triton is
+imported; when another test module imported triton first, the in-process CPU tests skip and
+``test_interpreter_in_subprocess`` runs this file again in a fresh interpreter). GPU: the ``cuda`` tests
+compile the kernels.
 """
 
-import os
+from interpreted import needs_cuda, needs_interp, rerun_interpreted  # noqa: I001  (sets TRITON_INTERPRET first)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import math
 
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-try:
-    import triton  # noqa: F401, E402
-except Exception as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"triton is not importable: {exc!r}", allow_module_level=True)
-
-from lmq_kernels import (  # noqa: E402
-    choose_num_splits,
-    decode_attention,
-    decode_attention_reference,
-    interpreter_active,
-)
-
-_INTERP = interpreter_active()
-_HAS_CUDA = torch.cuda.is_available()
-
-needs_interp = pytest.mark.skipif(
-    not _INTERP,
-    reason="triton was imported before TRITON_INTERPRET=1; covered by test_interpreter_in_subprocess",
-)
-needs_cuda = pytest.mark.skipif(
-    not _HAS_CUDA or _INTERP, reason="needs a CUDA GPU and TRITON_INTERPRET=0"
-)
-
+from lmq_kernels import choose_num_splits, decode_attention, decode_attention_reference
 
 def _make(B, Hkv, G, S, D, end, dtype=torch.float32, device="cpu", gen=None, starts=None, poison=True):
     Hq = Hkv * G
@@ -125,6 +94,97 @@ def test_paged_decode_reads_through_the_table(B, Hkv, G, S, D, end, splits):
     ref = decode_attention_reference(q, k, v, start, end, compute_dtype=torch.float64)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _new_token_case(B, nrows, Hkv, G, S, D, end, qk_norm, dtype, device, seed):
+    """A decode step's inputs: the QKV projection [B, Hq + 2 Hkv, D], the rows' positions, RoPE's inv_freq,
+    QK-norm weights, a paged store (random slot order, NaN where unread) and its table; rows >= nrows are a
+    graph bucket's padding (start = S). The new token goes to column end - 1."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, ks, vs, table, start = _paged_case(B, Hkv, G, S, D, end, dtype, "cpu", seed)
+    start = start.clamp(max=end - 1)
+    start[nrows:] = S
+    Hq = Hkv * G
+    qkv = torch.randn(B, Hq + 2 * Hkv, D, generator=gen).to(dtype)
+    positions = (end - 1 - start).to(torch.int32)
+    positions[nrows:] = 0
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    norms = [(1 + 0.3 * torch.randn(D, generator=gen)).to(dtype) if qk_norm else None for _ in range(2)]
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return (to(qkv), to(ks), to(vs), to(table), to(start), to(positions), to(inv_freq), [to(n) for n in norms],
+            torch.tensor([nrows], dtype=torch.int32, device=device))
+
+
+def _rope_then_attend(qkv, ks, vs, table, start, end, positions, inv_freq, norms, nrows, **kw):
+    """The step's two launches: the RoPE/append kernel, then attention over the roped queries."""
+    from lmq_backend.engine.fused.kernels import _rope_append_kernel
+
+    B, heads, D = qkv.shape
+    Hkv = ks.shape[1]
+    Hq = heads - 2 * Hkv
+    q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
+    flat = qkv.view(B, -1)
+    end_t = torch.tensor([end - 1], dtype=torch.int32, device=qkv.device)
+    _rope_append_kernel[(B, heads)](
+        flat, positions, inv_freq, norms[0] if norms[0] is not None else inv_freq,
+        norms[1] if norms[1] is not None else inv_freq, q, ks, vs, table, end_t, nrows, 1, B,
+        flat.stride(0), q.stride(0), q.stride(1), table.stride(0),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), 1e-6,
+        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, BLOCK_H=D // 2, BLOCK_T=1, QK_NORM=norms[0] is not None, num_warps=1)
+    end_t = torch.tensor([end], dtype=torch.int32, device=qkv.device)
+    return decode_attention(q, ks, vs, start, end_t, table=table, **kw)
+
+
+def _fused_new_token(qkv, ks, vs, table, start, end, positions, inv_freq, norms, nrows, **kw):
+    from lmq_kernels import NewToken
+
+    Hq = qkv.shape[1] - 2 * ks.shape[1]
+    end_t = torch.tensor([end], dtype=torch.int32, device=qkv.device)
+    return decode_attention(qkv[:, :Hq], ks, vs, start, end_t, table=table,
+                            new_token=NewToken(positions, inv_freq, norms[0], norms[1], 1e-6, nrows), **kw)
+
+
+NEW_TOKEN_CASES = [  # B, nrows, Hkv, G, S, D, end, qk_norm, splits, rows
+    (3, 3, 2, 2, 40, 32, 37, False, None, 1),
+    (4, 3, 1, 4, 70, 16, 61, True, 4, 1),
+    (4, 4, 2, 2, 64, 32, 50, True, 3, 2),     # two rows a program (cascade), their new columns in other chunks
+    (5, 4, 2, 4, 48, 16, 48, False, 1, 4),
+]
+
+
+@needs_interp
+@pytest.mark.parametrize("B,nrows,Hkv,G,S,D,end,qk_norm,splits,rows", NEW_TOKEN_CASES)
+def test_attention_appends_the_new_token_as_the_rope_kernel_does(B, nrows, Hkv, G, S, D, end, qk_norm, splits, rows):
+    """decode_attention(new_token=...) (QK-norm, RoPE and the K/V append inside the attention's programs) gives
+    the two-launch step's bits: the same output, the same store (the new column written, padding rows and every
+    other slot untouched)."""
+    args = _new_token_case(B, nrows, Hkv, G, S, D, end, qk_norm, torch.float32, "cpu", 7 * S + D)
+    kw = dict(num_splits=splits, block_n=16, rows=rows)
+    ks2, vs2 = args[1].clone(), args[2].clone()
+    ref = _rope_then_attend(*args[:5], end, *args[5:], **kw)
+    out = _fused_new_token(args[0], ks2, vs2, *args[3:5], end, *args[5:], **kw)
+    assert torch.isfinite(out[:nrows]).all()
+    assert torch.equal(out[:nrows], ref[:nrows])
+    for a, b in ((ks2, args[1]), (vs2, args[2])):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    new = args[3][torch.arange(nrows), end - 1].long()
+    assert torch.isfinite(ks2[new]).all() and torch.isfinite(vs2[new]).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,nrows,rows", [(1, 1, 1), (16, 13, 1), (64, 61, None)])
+def test_attention_appends_the_new_token_cuda(dtype, B, nrows, rows):
+    args = _new_token_case(B, nrows, 8, 4, 2048, 64, 1999, True, dtype, "cuda", 5 + B)
+    ks2, vs2 = args[1].clone(), args[2].clone()
+    ref = _rope_then_attend(*args[:5], 1999, *args[5:], rows=rows)
+    out = _fused_new_token(args[0], ks2, vs2, *args[3:5], 1999, *args[5:], rows=rows)
+    torch.cuda.synchronize()
+    print(f"{dtype} B={B}: output bits equal {torch.equal(out[:nrows], ref[:nrows])}, max diff "
+          f"{(out[:nrows].float() - ref[:nrows].float()).abs().max().item():.3e}")
+    torch.testing.assert_close(out[:nrows], ref[:nrows], atol=_CUDA_TOL[dtype], rtol=0)
+    for a, b in ((ks2, args[1]), (vs2, args[2])):
+        torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=_CUDA_TOL[dtype], rtol=0)
 
 
 @needs_cuda
@@ -224,16 +284,8 @@ def test_reference_masks_padding():
     torch.testing.assert_close(ref[0], (p.unsqueeze(1) @ vv).squeeze(1), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(_INTERP, reason="in-process interpreter tests already ran")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernels are tested on this machine (and "
-                    "triton 3.6's interpreter fails on GPU hosts: 'only 0-dimensional arrays can be converted')")
 def test_interpreter_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not cuda", os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_interpreted(__file__)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -12,9 +12,9 @@ Per step:
     per layer l:
         h   = rmsnorm(x) * w_in                           [Bp, hidden]          Triton, 1 launch
         qkv = h @ Wqkv^T (+ bqkv)                         [Bp, (Hq + 2 H_kv) D] cuBLAS, concatenated weight
-        q   = rope(qnorm(q)); pool[l,0,b,:,end] = rope(knorm(k)); pool[l,1,b,:,end] = v
-                                                          [Bp, Hq, D]           Triton, 1 launch (rows b < B only)
+        q   = rope(qnorm(q)); pool[l,0,b,:,end] = rope(knorm(k)); pool[l,1,b,:,end] = v   (rows b < B only)
         a   = decode_attention(q, pool[l,0,:Bp], pool[l,1,:Bp], start, end + 1)   [Bp, Hq, D]
+                                                          Triton, the two in 1 launch (`NewToken`)
         x  += a @ Wo^T                                    (addmm_, residual fused into the GEMM)
         h   = rmsnorm(x) * w_post
         gu  = h @ [Wgate; Wup]^T                          [Bp, 2 I]             cuBLAS, concatenated weight
@@ -22,7 +22,7 @@ Per step:
         x  += m @ Wdown^T                                 (addmm_)
     logits = rmsnorm(x) * w_final @ Wlm^T                 [Bp, V]  model dtype
 
-That is 9 launches per layer (cuBLAS adds a split-K reduce to some GEMMs).  Measured on an H200, bf16, 2k
+That is 8 launches per layer (cuBLAS adds a split-K reduce to some GEMMs).  Measured on an H200, bf16, 2k
 context, Llama-3.2-1B shape: 1.12 ms per step at batch 1, 1.38 ms at batch 16 (floor 0.59 / 0.83 ms); the
 GEMMs take ~0.8 ms of it (~3.1 TB/s: the large ones near peak, qkv/o_proj latency-bound at ~5-6 us each),
 attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms. Padding rows (b >= B, up
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from lmq_kernels import cpu, decode_attention
+from lmq_kernels import NewToken, cpu, decode_attention
 from lmq_kernels.cpu_layout import padded_stride
 
 from ..attention import grouped_attention
@@ -104,6 +104,8 @@ class FusedDecoder(GraphSteps, Prefill):
         self.logits = wide(n, self.vocab)
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}   # (bucket, cascade, sampling)
         self.cascade = True          # attention may read tiles rows share once for a block of rows
+        # the Triton attention rotates q and appends the new K/V itself (one launch a layer for the two)
+        self.new_token_in_attention = self.D & (self.D - 1) == 0
         self.sampling = False        # some row's pick is sampled (its step's graph samples too)
         self._graph_pool = None
         # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
@@ -174,12 +176,16 @@ class FusedDecoder(GraphSteps, Prefill):
             p_qkv, p_o, p_gu, p_down = panels[l]
             self._rmsnorm(x, lw.in_norm, lw.eps, h)
             self._mm(h, lw.wqkv, self.qkv[:bp], bias=lw.bqkv, panels=p_qkv)     # [bp, (Hq+2Hkv) D]
-            self._rope_append(lw, l, self.qkv[:bp], self.q[:bp], self.positions, bp, 1,  # q [bp, Hq, D];
-                              self.end, self.nrows)                                 # K/V -> pool
+            fused = self.triton and self.new_token_in_attention   # attention rotates and appends
+            if not fused:
+                self._rope_append(lw, l, self.qkv[:bp], self.q[:bp], self.positions, bp, 1,  # q [bp, Hq, D];
+                                  self.end, self.nrows)                                 # K/V -> pool
             if self.triton:
-                decode_attention(self.q[:bp], self.k_cache[l], self.v_cache[l], start, self.end1,
-                                 sm_scale=lw.scaling, out=self.attn[:bp], table=self.table,
-                                 rows=None if self.cascade else 1)                       # [bp, Hq, D]
+                decode_attention(self.qkv[:bp].view(bp, -1, self.D)[:, :self.Hq] if fused else self.q[:bp],
+                                 self.k_cache[l], self.v_cache[l], start, self.end1, sm_scale=lw.scaling,
+                                 out=self.attn[:bp], table=self.table, rows=None if self.cascade else 1,
+                                 new_token=NewToken(self.positions, self.inv_freq, lw.q_norm, lw.k_norm,
+                                                    lw.qk_eps, self.nrows) if fused else None)  # [bp, Hq, D]
             else:
                 self._attend_cpu(l, bp, lw.scaling)
             self._mm(self.attn[:bp].view(bp, -1), lw.wo, x, accumulate=True, panels=p_o)  # x += attn Wo^T
