@@ -2,6 +2,8 @@
 rows' decode steps stall behind its prefill, prefilled in one piece or in parts (`Scheduler.max_part_tokens`).
 
     python benchmarks/bench_long_prompt.py [--parts 16384 512] [--tokens 2600] [--rows 4]
+    python benchmarks/bench_long_prompt.py --shape llama-1b --tokenizer DIR --device cuda --dtype bfloat16 \
+        --tokens 12000 --rows 16 --parts 16384 4096 2048        # a GPU, random weights of that shape
 
 Per setting, in one process each: the long query's time, the longest gap between two decode steps (the stall
 the decoding rows see), and the prefill steps (new tokens, seconds).
@@ -18,13 +20,30 @@ import time
 WORDS = "alpha river stone cloud seven green table quiet north apple lamp orbit matrix".split()
 
 
-def one(part: int, tokens: int, rows: int) -> dict:
+def backend(args):
     import lmq_backend as lmq
 
-    b = lmq.HFBackend("default", device="cpu", dtype="float32", cache_budget="2GB")
+    if args.shape is None:
+        return lmq.HFBackend("default", device=args.device, dtype=args.dtype, cache_budget="2GB")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workloads import random_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(random_config(args.shape), dtype=getattr(torch, args.dtype))
+    return lmq.HFBackend.from_model(model.to(args.device), AutoTokenizer.from_pretrained(args.tokenizer),
+                                    cache_budget="8GB", name=args.shape)
+
+
+def one(args) -> dict:
+    import lmq_backend as lmq
+
+    part, tokens, rows = args.one, args.tokens, args.rows
+    b = backend(args)
     b.scheduler.max_part_tokens = part
     short = lmq.Query('"Count slowly from one, item {i}:[A]" where len(TOKENS(A)) < 120', model=b)
-    long_q = lmq.Query('argmax(max_len=8000)\n"{t} Summary:[A]" where len(TOKENS(A)) < 8', model=b)
+    long_q = lmq.Query(f'argmax(max_len={4 * tokens})\n"{{t}} Summary:[A]" where len(TOKENS(A)) < 8', model=b)
     text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(tokens))
     asyncio.run(short.run({"i": -1}))            # warm-up: calibration, the decode and prefill paths
     asyncio.run(long_q.run({"t": "warm " * 50}))
@@ -52,17 +71,23 @@ def main() -> None:
     ap.add_argument("--parts", type=int, nargs="+", default=[16384, 512])
     ap.add_argument("--tokens", type=int, default=2600)
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--shape", default=None, help="a random-weight model of this shape (workloads.random_config)")
+    ap.add_argument("--tokenizer", default=None, help="the tokenizer's folder for --shape")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(one(args.one, args.tokens, args.rows)))
+        print(json.dumps(one(args)))
         return
-    print(f"a ~{args.tokens}-token prompt arriving while {args.rows} short queries decode (default model, CPU fp32)")
+    model = args.shape or "default model"
+    print(f"a ~{args.tokens}-token prompt arriving while {args.rows} short queries decode ({model}, {args.device} "
+          f"{args.dtype})")
     print("| max_part_tokens | long query | longest decode stall | prefill steps (new tokens, s) |")
     print("|---|---|---|---|")
     for part in args.parts:  # a process each: the same calibration, no state carried between settings
-        out = subprocess.run([sys.executable, __file__, "--one", str(part), "--tokens", str(args.tokens),
-                              "--rows", str(args.rows)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(part)], capture_output=True,
+                             text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(f"| {part} | {r['long_query']:.2f} s | {r['stall']:.2f} s | {r['prefills'][1:]} |", flush=True)
 
