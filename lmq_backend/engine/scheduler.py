@@ -230,9 +230,12 @@ class Scheduler:
     async def _prefill_step(self) -> bool:
         """Run the prefills `_select` admits now; False if it admits none."""
         chosen = self._select()
-        chosen_set = set(map(id, chosen))
-        admission.drop(self.store, [w for w in self.waiting if w.future.done()])
-        self.waiting = [w for w in self.waiting if id(w) not in chosen_set and not w.future.done()]
+        chosen_set, kept, done = set(map(id, chosen)), [], []
+        for w in self.waiting:  # the done ones are dropped, the chosen ones leave
+            if w.future.done() or id(w) not in chosen_set:
+                (done if w.future.done() else kept).append(w)
+        admission.drop(self.store, done)
+        self.waiting = kept
         await self._prefill(chosen)
         return bool(chosen)
 
