@@ -23,7 +23,7 @@ Per step:
     logits = rmsnorm(x) * w_final @ Wlm^T                 [Bp, V]  model dtype
 
 That is 8 launches per layer (cuBLAS adds a split-K reduce to some GEMMs).  Measured on an H200, bf16, 2k
-context, Llama-3.2-1B shape: 1.12 ms per step at batch 1, 1.38 ms at batch 16 (floor 0.59 / 0.83 ms); the
+context, Llama-3.2-1B shape: 1.10 ms per step at batch 1, 1.38 ms at batch 16 (floor 0.59 / 0.83 ms); the
 GEMMs take ~0.8 ms of it (~3.1 TB/s: the large ones near peak, qkv/o_proj latency-bound at ~5-6 us each),
 attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms. Padding rows (b >= B, up
 to the bucket) have `start = S_max` (no valid column: the attention kernel returns zeros for them) and write
@@ -172,11 +172,11 @@ class FusedDecoder(GraphSteps, Prefill):
         x, h = self.x[:bp], self.h[:bp]
         start = self.start[:bp]
         panels = layer_panels(self)
+        fused = self.triton and self.new_token_in_attention   # attention rotates and appends the new token
         for l, lw in enumerate(self.layers):
             p_qkv, p_o, p_gu, p_down = panels[l]
             self._rmsnorm(x, lw.in_norm, lw.eps, h)
             self._mm(h, lw.wqkv, self.qkv[:bp], bias=lw.bqkv, panels=p_qkv)     # [bp, (Hq+2Hkv) D]
-            fused = self.triton and self.new_token_in_attention   # attention rotates and appends
             if not fused:
                 self._rope_append(lw, l, self.qkv[:bp], self.q[:bp], self.positions, bp, 1,  # q [bp, Hq, D];
                                   self.end, self.nrows)                                 # K/V -> pool
