@@ -361,15 +361,18 @@ def test_cuda_graph_replay_with_changing_end(dtype):
 
 @needs_interp
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_step_and_prefill_kernels_match_torch_ops(arch):
+@pytest.mark.parametrize("in_attention", [True, False])
+def test_fused_step_and_prefill_kernels_match_torch_ops(arch, in_attention):
     """The fused decoder's Triton kernels (RMSNorm, q/k norm + RoPE + K/V append for one and for many tokens
-    a row with left padding, SiLU-mul, decode attention) against the ops that serve the CPU (C or torch): a
-    prefill of ragged rows, then decode steps, in float32."""
+    a row with left padding, SiLU-mul, decode attention, which rotates and appends a step's new token itself
+    or not) against the ops that serve the CPU (C or torch): a prefill of ragged rows, then decode steps, in
+    float32."""
     from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=7) if arch == "llama" else tiny_qwen3(seed=7)
 
     def use_triton(decoder):
         decoder.triton = True
+        decoder.new_token_in_attention = in_attention
 
     assert_same_forwards(prefill_then_steps(model, use_triton), prefill_then_steps(model))
