@@ -15,6 +15,7 @@ import torch
 
 from lmq_kernels import choose_num_splits, decode_attention, decode_attention_reference
 
+
 def _make(B, Hkv, G, S, D, end, dtype=torch.float32, device="cpu", gen=None, starts=None, poison=True):
     Hq = Hkv * G
     q = torch.randn(B, Hq, D, generator=gen).to(device=device, dtype=dtype)
