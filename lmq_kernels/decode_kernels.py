@@ -167,7 +167,8 @@ def _stage1_src(
         slot_r = tl.load(TABLE + b_r64 * stride_tb + new_col, mask=new_r, other=0).to(tl.int64)
         if ROWS > 1:
             cos_r, sin_r = _rope_table(tl.load(POS + b_r, mask=new_r, other=0), INV_FREQ, D, D // 2)
-        k_new = _roped_heads(Q, b_r64, new_r, stride_qb, stride_qh, H_KV * G + kvh64 + 0 * b_r64, cos_r, sin_r,
+        k_head = H_KV * G + kvh64 + 0 * b_r64   # the k head of every row: one per row, as `_roped_heads` takes
+        k_new = _roped_heads(Q, b_r64, new_r, stride_qb, stride_qh, k_head, cos_r, sin_r,
                              KN_W, eps, K.dtype.element_ty, D, D // 2, QK_NORM)
         v_src = Q + b_r64[:, None] * stride_qb + (H_KV * G + H_KV + kvh64) * stride_qh + offs_d[None, :]
         v_new = tl.load(v_src, mask=new_r[:, None] & mask_d[None, :], other=0.0)

@@ -117,21 +117,17 @@ def _new_token_case(B, nrows, Hkv, G, S, D, end, qk_norm, dtype, device, seed):
 
 
 def _rope_then_attend(qkv, ks, vs, table, start, end, positions, inv_freq, norms, nrows, **kw):
-    """The step's two launches: the RoPE/append kernel, then attention over the roped queries."""
-    from lmq_backend.engine.fused.kernels import _rope_append_kernel
+    """The step's two launches: the RoPE/append kernel (the engine's launch), then attention over the roped
+    queries."""
+    from lmq_backend.engine.fused.kernels import rope_append
 
     B, heads, D = qkv.shape
     Hkv = ks.shape[1]
     Hq = heads - 2 * Hkv
     q = torch.empty(B, Hq, D, dtype=qkv.dtype, device=qkv.device)
-    flat = qkv.view(B, -1)
     end_t = torch.tensor([end - 1], dtype=torch.int32, device=qkv.device)
-    _rope_append_kernel[(B, heads)](
-        flat, positions, inv_freq, norms[0] if norms[0] is not None else inv_freq,
-        norms[1] if norms[1] is not None else inv_freq, q, ks, vs, table, end_t, nrows, 1, B,
-        flat.stride(0), q.stride(0), q.stride(1), table.stride(0),
-        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), 1e-6,
-        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, BLOCK_H=D // 2, BLOCK_T=1, QK_NORM=norms[0] is not None, num_warps=1)
+    rope_append(qkv.view(B, -1), positions, inv_freq, norms[0], norms[1], 1e-6, q, ks, vs, table, end_t, nrows,
+                1, B, Hq, Hkv)
     end_t = torch.tensor([end], dtype=torch.int32, device=qkv.device)
     return decode_attention(q, ks, vs, start, end_t, table=table, **kw)
 

@@ -1,4 +1,5 @@
-"""The fused step's Triton kernels: RMSNorm, SiLU-and-multiply, and RoPE + K/V append into the store.
+"""The fused step's Triton kernels: RMSNorm, SiLU-and-multiply, and RoPE + K/V append into the store
+(`rope_append` launches it).
 
 Each kernel rounds where Hugging Face's Llama modules round (to the model's dtype between ops), so that the
 fused step's logits track the model's forward; their CPU counterparts are in `lmq_kernels.cpu`.
@@ -95,3 +96,22 @@ def _rope_append_kernel(
             dst = K_CACHE + slot[:, None] * stride_kn + (h - HQ).to(tl.int64) * stride_kh + offs[None, :]
             tl.store(dst, o1.to(dtype), mask=write)
             tl.store(dst + HALF, o2.to(dtype), mask=write)
+
+
+def rope_append(qkv, positions, inv_freq, q_norm, k_norm, eps: float, q, k_store, v_store, table, end, nrows,
+                tokens: int, rows: int, hq: int, hkv: int) -> None:
+    """Launch `_rope_append_kernel` over `rows` rows of `tokens` new tokens each (`qkv` [rows x tokens,
+    (hq + 2 hkv) D]; `q_norm`, `k_norm` None without QK-norm; `end`, `nrows` one-element int32 device tensors)."""
+    d = q.shape[-1]
+    n = rows * tokens
+    block_t = 1 if tokens == 1 else 16  # a decode step: a program per row and head, as many as can be
+    _rope_append_kernel[(triton.cdiv(n, block_t), hq + 2 * hkv)](
+        qkv, positions, inv_freq, q_norm if q_norm is not None else inv_freq,
+        k_norm if k_norm is not None else inv_freq,
+        q, k_store, v_store, table, end, nrows, tokens, n,
+        qkv.stride(0), q.stride(0), q.stride(1), table.stride(0),
+        k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
+        eps,
+        HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
+        BLOCK_T=block_t, QK_NORM=q_norm is not None, num_warps=1 if block_t == 1 else 4,
+    )

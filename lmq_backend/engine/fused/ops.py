@@ -16,7 +16,7 @@ from lmq_kernels import cpu
 
 from ...paths import cache_dir
 from ..quantize import QuantizedLinear
-from .kernels import _rmsnorm_kernel, _rope_append_kernel, _silu_mul_kernel
+from .kernels import _rmsnorm_kernel, _silu_mul_kernel, rope_append
 from .weights import _Layer, _why_not, decoder_weights
 
 
@@ -112,20 +112,8 @@ class LayerOps:
         rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
         kc, vc, table = self.k_cache[l], self.v_cache[l], self.table[slot:]
         if self.triton:
-            d = self.D
-            n = rows * tokens
-            block_t = 1 if tokens == 1 else 16  # a decode step: a program per row and head, as many as can be
-            _rope_append_kernel[(triton.cdiv(n, block_t), self.Hq + 2 * self.H_kv)](
-                qkv, positions, self.inv_freq,
-                lw.q_norm if lw.q_norm is not None else self.inv_freq,
-                lw.k_norm if lw.k_norm is not None else self.inv_freq,
-                q, kc, vc, table, end, nrows, tokens, n,
-                qkv.stride(0), q.stride(0), q.stride(1), table.stride(0),
-                kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                lw.qk_eps,
-                HQ=self.Hq, HKV=self.H_kv, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
-                BLOCK_T=block_t, QK_NORM=lw.q_norm is not None, num_warps=1 if block_t == 1 else 4,
-            )
+            rope_append(qkv, positions, self.inv_freq, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc, table, end, nrows,
+                        tokens, rows, self.Hq, self.H_kv)
             return
         last, n = int(end[0]) + 1, min(rows, int(nrows[0]))
         if cpu.rope_append(qkv, self._cos, self._sin, positions, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc,
