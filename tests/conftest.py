@@ -79,3 +79,9 @@ def default_backend():
 
 # context-sensitive models (tests/models.py): `zoo.backend(family)`, `zoo.reference(family)`
 from models import zoo  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(items):
+    """The Ray tests run first: `ray.init` forks its cluster's processes from this one, and a fork of the
+    process the later tests grow to GBs can fail for memory on a small host (heuristic overcommit)."""
+    items.sort(key=lambda item: item.path.name != "test_distributed.py")
