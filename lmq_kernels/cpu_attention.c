@@ -13,8 +13,16 @@
  * Hkv query heads of its kv head, the scores of its columns, their max m, the sum l of exp(score - m) and
  * the exp-weighted sum of V rows (prefetching the next K and V rows while it reads the scores' K rows); a
  * second pass combines a (row, head)'s chunks in order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
- * The chunks of a row depend on its own columns only and every sum runs in a fixed order, so a row gets the
- * same bits in any batch, on any number of threads (tasks may run on any thread: each writes its own partial).
+ * Within a task the group's query heads share each K and V row's load (as many heads at once as the
+ * registers hold), and a score's horizontal sum is done for VL columns at once (one shuffle tree for VL
+ * product vectors instead of one per column): 8 rows x 530 columns of a W2 step (9 / 3 heads, D 64, Zen 4),
+ * 158 -> 111 us a layer from cache, 226 -> 194 us cold (benchmarks/RESULTS.md, twenty-first session).
+ *
+ * Exactness: every product chain is written out in fma_vf (not left to -ffp-contract, which fused one or the
+ * other product of a chain's first two), a score's lanes are added in one fixed tree, and the chunks of a row
+ * depend on its own columns only, each sum in a fixed order: a row gets the same bits in any batch, on any
+ * number of threads (tasks may run on any thread: each writes its own partial), in either path (cpu.py's
+ * per-op call and cpu_step.c's fused step run this body).
  *
  * Built with cpu_gemm.c into one library (see cpu.py); OpenMP: the process's runtime (torch's libgomp).
  */
@@ -60,68 +68,185 @@ static inline float lanes_total(vf a) {
     return a[0] + a[1];
 }
 
+/* The lane sums of VL columns' product vectors at once: u holds column c's vector at u + rev[c] * LMQ_VL (rev:
+ * the bit reversal of c's log2(VL) bits); lane c of the result is column c's sum, added in lanes_total's
+ * order (lane i + lane i + VL/2, then + the lane VL/4 further, ..., 1 further): each level adds the two
+ * halves of every column's segment, packing two vectors' segments into one (HALF). 15 two-vector shuffles
+ * and adds per 16 columns instead of 4 per column. An output lane depends on its own column's vector only
+ * (the slots of a group's missing columns hold anything: their lanes are not used). */
+#define DV_MAX (256 / LMQ_VL)   /* the head dimension in vectors, at most (D <= 256) */
+#define HALF(x, y, A, B) (__builtin_shuffle(x, y, (vfi)A) + __builtin_shuffle(x, y, (vfi)B))
+#if LMQ_VL == 16
+static const unsigned char rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#define L8A {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+#define L8B {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
+#define L4A {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+#define L4B {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
+#define L2A {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+#define L2B {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
+#define L1A {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define L1B {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+static inline vf columns_total(const float *u) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = HALF(load_vf(u + 2 * i * 16), load_vf(u + (2 * i + 1) * 16), L8A, L8B);
+    for (int i = 0; i < 4; i++) b[i] = HALF(a[2 * i], a[2 * i + 1], L4A, L4B);
+    for (int i = 0; i < 2; i++) c[i] = HALF(b[2 * i], b[2 * i + 1], L2A, L2B);
+    return HALF(c[0], c[1], L1A, L1B);
+}
+#elif LMQ_VL == 8
+static const unsigned char rev[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#define L4A {0, 1, 2, 3, 8, 9, 10, 11}
+#define L4B {4, 5, 6, 7, 12, 13, 14, 15}
+#define L2A {0, 1, 8, 9, 4, 5, 12, 13}
+#define L2B {2, 3, 10, 11, 6, 7, 14, 15}
+#define L1A {0, 8, 2, 10, 4, 12, 6, 14}
+#define L1B {1, 9, 3, 11, 5, 13, 7, 15}
+static inline vf columns_total(const float *u) {
+    vf a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = HALF(load_vf(u + 2 * i * 8), load_vf(u + (2 * i + 1) * 8), L4A, L4B);
+    for (int i = 0; i < 2; i++) b[i] = HALF(a[2 * i], a[2 * i + 1], L2A, L2B);
+    return HALF(b[0], b[1], L1A, L1B);
+}
+#else
+static const unsigned char rev[4] = {0, 2, 1, 3};
+#define L2A {0, 1, 4, 5}
+#define L2B {2, 3, 6, 7}
+#define L1A {0, 4, 2, 6}
+#define L1B {1, 5, 3, 7}
+static inline vf columns_total(const float *u) {
+    const vf a0 = HALF(load_vf(u), load_vf(u + 4), L2A, L2B), a1 = HALF(load_vf(u + 8), load_vf(u + 12), L2A, L2B);
+    return HALF(a0, a1, L1A, L1B);
+}
+#endif
+
+/* Heads j0 .. j0 + J - 1 of the group (J constant per instance): the scores of the chunk's cn columns into
+ * sc[j * CH + c] (lanes past cn: anything). Each K row is loaded once for the J heads; each (column, head)
+ * product is lanes_total(a0 + a1) of two FMA chains over the head dimension's even and odd vectors. */
+static inline __attribute__((always_inline)) void scores(
+        const float *q, long sqh, const float *kb, long sks, const float *vb, long svs, const int *tb, long cn,
+        int j0, float scale, float *sc, float *u, int prefetch, const int DV, const int J) {
+    vf qv[4][DV_MAX];                                     /* fixed sizes: registers, not a stack array */
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < J; j++)
+        _Pragma("GCC unroll 16")
+        for (int d = 0; d < DV; d++) qv[j][d] = load_vf(q + (j0 + j) * sqh + d * LMQ_VL) * scale;
+    for (long c0 = 0; c0 < cn; c0 += LMQ_VL) {
+        const long nc = cn - c0 < LMQ_VL ? cn - c0 : LMQ_VL;
+        for (long i = 0; i < nc; i++) {
+            const long c = c0 + i;
+            const float *kr = kb + tb[c] * sks;
+            if (prefetch && c + PF < cn)
+                for (int d = 0; d < DV * LMQ_VL; d += 16) {
+                    __builtin_prefetch(kb + tb[c + PF] * sks + d, 0, 2);
+                    __builtin_prefetch(vb + tb[c + PF] * svs + d, 0, 2);
+                }
+            vf kv[DV_MAX];
+            _Pragma("GCC unroll 16")
+            for (int d = 0; d < DV; d++) kv[d] = load_vf(kr + d * LMQ_VL);
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < J; j++) {
+                vf a0 = qv[j][0] * kv[0], a1 = qv[j][1] * kv[1];
+                _Pragma("GCC unroll 8")
+                for (int d = 2; d < DV; d += 2) {
+                    a0 = fma_vf(qv[j][d], kv[d], a0);
+                    a1 = fma_vf(qv[j][d + 1], kv[d + 1], a1);
+                }
+                *(vf *)(u + (j * LMQ_VL + rev[i]) * LMQ_VL) = a0 + a1;
+            }
+        }
+        for (int j = 0; j < J; j++) *(vf *)(sc + (j0 + j) * CH + c0) = columns_total(u + j * LMQ_VL * LMQ_VL);
+    }
+}
+
+/* out_j += p_j[c] v_c over the chunk's columns for heads j0 .. j0 + J - 1 (each V row loaded once for them);
+ * acc: [J][D] floats of the partials, each head's sum over c in order. */
+static inline __attribute__((always_inline)) void values(
+        const float *vb, long svs, const int *tb, long cn, int j0, const float *sc, float *part, long stride,
+        const int DV, const int J) {
+    vf acc[4][DV_MAX];                                    /* fixed sizes: registers, not a stack array */
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < J; j++)
+        _Pragma("GCC unroll 16")
+        for (int d = 0; d < DV; d++) acc[j][d] = (vf){0};
+    for (long c = 0; c < cn; c++) {
+        const float *vr = vb + tb[c] * svs;
+        vf vv[DV_MAX];
+        _Pragma("GCC unroll 16")
+        for (int d = 0; d < DV; d++) vv[d] = load_vf(vr + d * LMQ_VL);
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < J; j++) {
+            const vf p = vf_splat(sc + (j0 + j) * CH + c);
+            _Pragma("GCC unroll 16")
+            for (int d = 0; d < DV; d++) acc[j][d] = fma_vf(p, vv[d], acc[j][d]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < J; j++)
+        _Pragma("GCC unroll 16")
+        for (int d = 0; d < DV; d++) *(vf *)(part + (j0 + j) * stride + 2 + d * LMQ_VL) = acc[j][d];
+}
+
+/* Heads of a group taken together (each K and V row loaded once for them): as many as keep their query
+ * vectors, or their accumulators, in a quarter to a half of the registers; one where registers are few. */
+#define JB (LMQ_VREGS >= 32 ? (16 / DV > 0 ? 16 / DV : 1) : 1)
+
 /* One task: row b, kv head g, columns [c0, c0 + cn) of the row. part: per query head j of the group,
- * [m, l, acc[D]] (D + 2 floats). sc: G * CH floats of scratch. DV = D / LMQ_VL, constant per instantiation. */
+ * [m, l, acc[D]] (D + 2 floats). sc: G * CH floats of scratch (scores, then exp), u: JB * VL * VL floats
+ * (the scores' product vectors). DV = D / LMQ_VL, constant per instantiation. */
 static inline __attribute__((always_inline)) void chunk(
         const float *q, long sqb, long sqh, const float *k, long skh, long sks,
         const float *v, long svh, long svs, const int *tb, int b, int g, long cn,
-        int G, float scale, float *part, float *sc, const int DV) {
-    const float *kb = k + g * skh, *vb = v + g * svh;
+        int G, float scale, float *part, float *sc, float *u, const int DV) {
+    const float *kb = k + g * skh, *vb = v + g * svh, *qg = q + b * sqb + g * G * sqh;
     const int D = DV * LMQ_VL;
     for (long c = 0; c < PF && c < cn; c++) {
         __builtin_prefetch(kb + tb[c] * sks, 0, 2);
         __builtin_prefetch(vb + tb[c] * svs, 0, 2);
     }
-    for (int j = 0; j < G; j++) {
-        vf qv[DV];
-        const float *qr = q + b * sqb + (g * G + j) * sqh;
-        for (int d = 0; d < DV; d++) qv[d] = load_vf(qr + d * LMQ_VL) * scale;
-        float *s = sc + j * CH;
-        for (long c = 0; c < cn; c++) {
-            const float *kr = kb + tb[c] * sks;
-            if (j == 0 && c + PF < cn)
-                for (int d = 0; d < D; d += 16) {
-                    __builtin_prefetch(kb + tb[c + PF] * sks + d, 0, 2);
-                    __builtin_prefetch(vb + tb[c + PF] * svs + d, 0, 2);
-                }
-            vf a0 = qv[0] * load_vf(kr), a1 = qv[1] * load_vf(kr + LMQ_VL);
-            for (int d = 2; d < DV; d += 2) {
-                a0 += qv[d] * load_vf(kr + d * LMQ_VL);
-                a1 += qv[d + 1] * load_vf(kr + (d + 1) * LMQ_VL);
-            }
-            s[c] = lanes_total(a0 + a1);
+    for (int j0 = 0; j0 < G; j0 += JB)              /* JB heads a pass (J: a constant in each instance) */
+        switch (G - j0 < JB ? G - j0 : JB) {
+#define SCORES(J) case J: scores(qg, sqh, kb, sks, vb, svs, tb, cn, j0, scale, sc, u, j0 == 0, DV, J); break;
+        SCORES(1) SCORES(2) SCORES(3) default: SCORES(4)
+#undef SCORES
         }
-        float m = s[0];
-        for (long c = 1; c < cn; c++) m = s[c] > m ? s[c] : m;
-        vf lv = (vf){0};
+    for (int j = 0; j < G; j++) {
+        float *s = sc + j * CH;
         long c = 0;
-        for (; c + LMQ_VL <= cn; c += LMQ_VL) {
+        float m = s[0];
+        if (cn >= LMQ_VL) {                          /* a max is exact in any order: a vector's, then its lanes */
+            vf mv = load_vf(s);
+            for (c = LMQ_VL; c + LMQ_VL <= cn; c += LMQ_VL) {
+                const vf x = load_vf(s + c);
+                mv = (vf)(((vfi)mv & (vfi)(mv >= x)) | ((vfi)x & ~(vfi)(mv >= x)));
+            }
+            for (int i = 0; i < LMQ_VL; i++) m = mv[i] > m ? mv[i] : m;
+        }
+        for (; c < cn; c++) m = s[c] > m ? s[c] : m;
+        vf lv = (vf){0};
+        for (c = 0; c + LMQ_VL <= cn; c += LMQ_VL) {
             const vf x = vexp_vf(load_vf(s + c) - m);
             *(vf *)(s + c) = x;
             lv += x;
         }
         float l = lanes_total(lv);
-        for (; c < cn; c++) {        /* the tail, one lane at a time (lane 0 of a vector) */
-            const float x = vexp_vf((vf){0} + (s[c] - m))[0];
-            s[c] = x;
-            l += x;
+        if (c < cn) {                                /* the tail: one vector, its lanes added one at a time */
+            const vf x = vexp_vf(load_vf(s + c) - m);
+            *(vf *)(s + c) = x;
+            for (; c < cn; c++) l += s[c];
         }
-        vf acc[DV];
-        for (int d = 0; d < DV; d++) acc[d] = (vf){0};
-        for (c = 0; c < cn; c++) {
-            const float *vr = vb + tb[c] * svs;
-            const float p = s[c];
-            for (int d = 0; d < DV; d++) acc[d] += p * load_vf(vr + d * LMQ_VL);
-        }
-        float *pj = part + j * (D + 2);
-        pj[0] = m;
-        pj[1] = l;
-        memcpy(pj + 2, acc, sizeof(acc));
+        part[j * (D + 2)] = m;
+        part[j * (D + 2) + 1] = l;
     }
+    for (int j0 = 0; j0 < G; j0 += JB)
+        switch (G - j0 < JB ? G - j0 : JB) {
+#define VALUES(J) case J: values(vb, svs, tb, cn, j0, sc, part, D + 2, DV, J); break;
+        VALUES(1) VALUES(2) VALUES(3) default: VALUES(4)
+#undef VALUES
+        }
 }
 
 #define CASE(DV) case DV: chunk(q, sqb, sqh, k, skh, sks, v, svh, svs, table + b * stb + c0, b, g, cn, \
-                               G, scale, part, sc, DV); break;
+                               G, scale, part, sc, u, DV); break;
 
 /* The attention's work inside a parallel region (lmq_attention's, or a fused step's: cpu_step.c): the
  * tasks (a dynamic worksharing loop), then the combine (a static one), each ending in a barrier. `parts`:
@@ -133,7 +258,7 @@ void lmq_attention_body(const float *q, long sqb, long sqh,
                         int B, int Hq, int Hkv, long S, int D, float scale, float *parts) {
     const int G = Hq / Hkv;
     const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a task's partials */
-    float *sc = malloc(sizeof(float) * G * CH);
+    float *sc = malloc(sizeof(float) * ((long)G * CH + 4L * LMQ_VL * LMQ_VL)), *u = sc + (long)G * CH;
     #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < (long)B * Hkv * nch; t++) {
         const int b = t / (Hkv * nch), g = (t / nch) % Hkv;
