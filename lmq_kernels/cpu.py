@@ -103,8 +103,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                           c_int, c_int, c_int, ctypes.c_float, c_int]
     lib.lmq_prefill_attention.restype = None
     f32 = ctypes.c_float
-    lib.lmq_rmsnorm.argtypes = [ptr, c_long, ptr, ptr, c_long, c_int, c_int, f32]
-    lib.lmq_silu_mul.argtypes = [ptr, c_long, ptr, c_long, c_int, c_int]
+    lib.lmq_rmsnorm.argtypes = [ptr, c_long, ptr, ptr, c_long, c_int, c_int, f32, c_int]
+    lib.lmq_silu_mul.argtypes = [ptr, c_long, ptr, c_long, c_int, c_int, c_int]
     lib.lmq_rope_append.argtypes = [ptr, c_long, ptr, ptr, ptr, ptr, ptr, f32, ptr, c_long, c_long,
                                     ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long,
                                     c_long, c_int, c_long, c_int, c_int, c_int, c_int, c_int]
@@ -294,7 +294,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> 
                   lambda: _benches.rmsnorm(_forced(rmsnorm), _up(m), n)):
         return False
     lib.lmq_rmsnorm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
-                    float(eps))
+                    float(eps), torch.get_num_threads())
     return True
 
 
@@ -308,7 +308,8 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> bool:
     if not choose("silu_mul", (torch.get_num_threads(), _up(m), _up(i)),
                   lambda: _benches.silu_mul(_forced(silu_mul), _up(m), i)):
         return False
-    lib.lmq_silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), out.stride(0), out.shape[0], out.shape[1])
+    lib.lmq_silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), out.stride(0), out.shape[0], out.shape[1],
+                     torch.get_num_threads())
     return True
 
 

@@ -22,18 +22,47 @@
 
 #include "cpu_simd.h"
 
+#define PARALLEL_FROM 16384   /* elements from which a per-op call splits its rows or columns over threads */
+
+/* 1 / sqrt(mean(x^2) + eps): the squares summed in a fixed order whatever the target (lane i of 16 takes
+ * elements i, i + 16, ... in one FMA chain; then hsum's order; then the tail, one at a time). */
 static inline float rstd_of(const float *x, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    vf acc[LMQ_PARTS];
+    for (int p = 0; p < LMQ_PARTS; p++) acc[p] = (vf){0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int p = 0; p < LMQ_PARTS; p++) {
+            const vf v = *(const vf *)(x + i + p * LMQ_VL);
+            acc[p] = fma_vf(v, v, acc[p]);
+        }
+    v16 all;
+    __builtin_memcpy(&all, acc, sizeof(all));
+    float ss = hsum(all);
+    for (; i < n; i++) ss += x[i] * x[i];
     return 1.0f / sqrtf(ss / n + eps);
 }
 
-void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps) {
-    for (int m = 0; m < M; m++) {
+static void rmsnorm_rows(const float *x, long ldx, const float *w, float *y, long ldy, int m0, int m1, int N,
+                         float eps) {
+    for (int m = m0; m < m1; m++) {
         const float *xr = x + m * ldx;
         float *yr = y + m * ldy;
         const float r = rstd_of(xr, N, eps);
         for (int i = 0; i < N; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* Rows of x on `threads` threads (1: the caller's thread alone, as inside a fused step's parallel region). */
+void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps,
+                 int threads) {
+    if (threads > 1 && (long)M * N >= PARALLEL_FROM) {
+        #pragma omp parallel num_threads(threads)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            rmsnorm_rows(x, ldx, w, y, ldy, (long)M * t / nt, (long)M * (t + 1) / nt, N, eps);
+        }
+    } else {
+        rmsnorm_rows(x, ldx, w, y, ldy, 0, M, N, eps);
     }
 }
 
@@ -67,15 +96,20 @@ static void silu_mul_cols(const float *g, const float *u, long ldg, float *out, 
     }
 }
 
-void lmq_silu_mul(const float *gu, long ldgu, float *out, long ldo, int M, int I) {
-    silu_mul_cols(gu, gu + I, ldgu, out, ldo, M, 0, I);
-}
-
-/* Thread t of nt's share of lmq_silu_mul: a range of columns in whole 16-lane blocks. */
+/* Thread t of nt's share of out = silu(gate) * up: a range of columns in whole 16-lane blocks. */
 void lmq_silu_mul_share(const float *gu, long ldgu, float *out, long ldo, int M, int I, int t, int nt) {
     const int blocks = (I + 15) / 16, b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
     const int i0 = b0 * 16, i1 = b1 * 16 < I ? b1 * 16 : I;
     if (i0 < i1) silu_mul_cols(gu, gu + I, ldgu, out, ldo, M, i0, i1);
+}
+
+void lmq_silu_mul(const float *gu, long ldgu, float *out, long ldo, int M, int I, int threads) {
+    if (threads > 1 && (long)M * I >= PARALLEL_FROM) {
+        #pragma omp parallel num_threads(threads)
+        lmq_silu_mul_share(gu, ldgu, out, ldo, M, I, omp_get_thread_num(), omp_get_num_threads());
+    } else {
+        silu_mul_cols(gu, gu + I, ldgu, out, ldo, M, 0, I);
+    }
 }
 
 /* One head of one token: optional RMSNorm (weight nw), then rotate-half RoPE into dst. */

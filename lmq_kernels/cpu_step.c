@@ -53,7 +53,8 @@ void lmq_qgemm_i8_share(const float *x, long ldx, const signed char *q, const fl
                         int M, long K, long N, int accumulate, int t, int nt);
 void lmq_qgemm_i4_share(const float *x, long ldx, const unsigned char *q, const float *d, const float *mn,
                         float *y, long ldy, int M, long K, long N, int accumulate, int t, int nt);
-void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps);
+void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, int M, int N, float eps,
+                 int threads);
 void lmq_silu_mul_share(const float *gu, long ldgu, float *out, long ldo, int M, int I, int t, int nt);
 void lmq_rope_append_rows(const float *qkv, long ldqkv, const float *cos_, const float *sin_, const int *pos,
                           const float *qn, const float *kn, float eps, float *q, long sqr, long sqh,
@@ -107,7 +108,7 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
         float *h = hbuf + (size_t)t * B * width;           /* this thread's normed rows */
         for (int l = 0; l < L; l++) {
             const lmq_layer *ly = layers + l;
-            lmq_rmsnorm(x, ldx, ly->in_norm, h, hidden, B, hidden, ly->eps);
+            lmq_rmsnorm(x, ldx, ly->in_norm, h, hidden, B, hidden, ly->eps, 1);
             if (ly->bqkv) {                                 /* each sum starts from the bias (cpu.small_m_mm) */
                 if (t == 0)
                     for (int b = 0; b < B; b++) memcpy(qkv + b * nqkv, ly->bqkv, sizeof(float) * nqkv);
@@ -123,7 +124,7 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
                                table + first, stb, rel, attn, nq, D, B, Hq, Hkv, S, D, ly->scaling, parts);
             mm_share(&ly->o, attn, nq, x, ldx, B, 1, t, nt);
             #pragma omp barrier
-            lmq_rmsnorm(x, ldx, ly->post_norm, h, hidden, B, hidden, ly->eps);
+            lmq_rmsnorm(x, ldx, ly->post_norm, h, hidden, B, hidden, ly->eps, 1);
             mm_share(&ly->gu, h, hidden, gu, ldgu, B, 0, t, nt);
             #pragma omp barrier
             lmq_silu_mul_share(gu, ldgu, act, inter, B, inter, t, nt);
