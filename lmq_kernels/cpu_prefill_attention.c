@@ -9,7 +9,7 @@
  * 34 MB a layer, ~9 ms of a ~30 ms layer on two Zen 3 cores. This kernel reads the columns in place.
  *
  * Tasks: (row, kv head, tile of TQ tokens counted back from the row's last token), the latest tiles (the
- * longest) first. A task's R = TQ x G query rows (token, head of the group; padded to whole vectors) walk
+ * longest) first. A task's R = nt x G query rows (token, head of the group; padded to whole vectors) walk
  * the row's columns from start[b] in chunks of CH, with an online softmax whose every step is a vector
  * over the R query rows (no horizontal sums):
  *   S[c][r] = q_r . k_c                              an FMA chain over d; q held transposed ([D][R])
@@ -123,8 +123,11 @@ static void task(const float *q, long sqt, long sqh, const float *k, long sks, l
                  const float *v, long svs, long svh, const int *tb, long s0, long col0,
                  long t0, int nt, int g, int G, int D, float scale, float *out, long sot, long soh,
                  long R, scratch *w) {
-    const long nv = R / LMQ_VL, last = col0 + nt - 1;          /* col0: the column of token t0 */
-    for (long r = 0; r < R; r++) {                             /* q^T, scaled; padding lanes: zero */
+    /* the task's query rows, padded to whole vectors (a short tile computes no more vectors than it fills;
+     * R stays the scratch's row stride) */
+    const long Rt = ((long)nt * G + LMQ_VL - 1) / LMQ_VL * LMQ_VL, nv = Rt / LMQ_VL;
+    const long last = col0 + nt - 1;                           /* col0: the column of token t0 */
+    for (long r = 0; r < Rt; r++) {                            /* q^T, scaled; padding lanes: zero */
         const int i = r / G, j = r % G;
         const float *qr = q + (t0 + i) * sqt + (g * G + j) * sqh;
         for (int d = 0; d < D; d++) w->qt[d * R + r] = i < nt ? qr[d] * scale : 0.0f;
@@ -132,7 +135,7 @@ static void task(const float *q, long sqt, long sqh, const float *k, long sks, l
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    memset(w->o, 0, sizeof(float) * R * D);
+    memset(w->o, 0, sizeof(float) * Rt * D);
     for (long c0 = s0; c0 <= last; c0 += CH) {
         const long cn = last - c0 + 1 < CH ? last - c0 + 1 : CH;
         const float *const *kr = w->kr;
@@ -171,8 +174,8 @@ static void task(const float *q, long sqt, long sqh, const float *k, long sks, l
         }
         for (int d0 = 0; d0 < D; d0 += PV * LMQ_VL) {
             int r0 = 0;
-            for (; r0 + PR <= R; r0 += PR) value_block(w->vr, cn, s, R, w->alpha, w->o, D, r0, d0, PR);
-            for (; r0 < R; r0++) value_block(w->vr, cn, s, R, w->alpha, w->o, D, r0, d0, 1);
+            for (; r0 + PR <= Rt; r0 += PR) value_block(w->vr, cn, s, R, w->alpha, w->o, D, r0, d0, PR);
+            for (; r0 < Rt; r0++) value_block(w->vr, cn, s, R, w->alpha, w->o, D, r0, d0, 1);
         }
     }
     for (long r = 0; r < (long)nt * G; r++) {
