@@ -159,7 +159,7 @@ def test_a_row_gives_the_same_bits_in_any_batch(kernels):
 def test_declines_what_it_does_not_compute(kernels):
     w = k_major(64, 32, seed=3)
     out = torch.zeros(4, 64)
-    assert not cpu.small_m_mm(torch.randn(65, 32), w.t(), torch.zeros(65, 64))  # > 64 rows: BLAS
+    assert not cpu.small_m_mm(torch.randn(1025, 32), w.t(), torch.zeros(1025, 64))  # > 1,024 rows: BLAS
     assert not cpu.small_m_mm(torch.randn(1, 32), w.t(), out[:1], rows=(2, 8))  # outside the rows asked for
     assert not cpu.small_m_mm(torch.randn(4, 32).double(), w.t().double(), out.double())
     assert not cpu.small_m_mm(torch.randn(4, 32), w.contiguous().t(), out)   # row-major weight

@@ -70,7 +70,7 @@ class LayerOps:
 
     def _mm(self, a: torch.Tensor, w: torch.Tensor | QuantizedLinear, out: torch.Tensor,
             accumulate: bool = False, bias: torch.Tensor | None = None, panels: torch.Tensor | None = None) -> None:
-        """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, up to 64 rows go through lmq's
+        """out = a @ w^T (+ bias), or out += a @ w^T; w [N, K]. On the CPU, up to 1,024 rows go through lmq's
         small-M kernel where the machine's calibration chose it (`lmq_kernels.cpu.small_m_mm`: each output one
         FMA chain whatever the batch; `panels`: w's panel-major copy, read instead of the K-major w), else
         through BLAS. A quantized w multiplies in its own kernel (`QuantizedLinear.mm`)."""
