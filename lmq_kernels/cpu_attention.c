@@ -16,7 +16,10 @@
  * Within a task the group's query heads share each K and V row's load (as many heads at once as the
  * registers hold), and a score's horizontal sum is done for VL columns at once (one shuffle tree for VL
  * product vectors instead of one per column): 8 rows x 530 columns of a W2 step (9 / 3 heads, D 64, Zen 4),
- * 158 -> 111 us a layer from cache, 226 -> 194 us cold (benchmarks/RESULTS.md, twenty-first session).
+ * 158 -> 111 us a layer from cache, 226 -> 194 us cold. Consecutive rows whose chunk holds the same slots
+ * (a prefix they share in the trie) are one task (cascade): the chunk's K/V is read once for all their
+ * heads; 4-32 rows on a 1,000-2,000-token prefix 10-28% faster (benchmarks/RESULTS.md, twenty-first
+ * session).
  *
  * Exactness: every product chain is written out in fma_vf (not left to -ffp-contract, which fused one or the
  * other product of a chain's first two), a score's lanes are added in one fixed tree, and the chunks of a row
@@ -119,17 +122,17 @@ static inline vf columns_total(const float *u) {
 }
 #endif
 
-/* Heads j0 .. j0 + J - 1 of the group (J constant per instance): the scores of the chunk's cn columns into
+/* The query heads qp[0 .. J) (J constant per instance): the scores of the chunk's cn columns into
  * sc[j * CH + c] (lanes past cn: anything). Each K row is loaded once for the J heads; each (column, head)
  * product is lanes_total(a0 + a1) of two FMA chains over the head dimension's even and odd vectors. */
 static inline __attribute__((always_inline)) void scores(
-        const float *q, long sqh, const float *kb, long sks, const float *vb, long svs, const int *tb, long cn,
-        int j0, float scale, float *sc, float *u, int prefetch, const int DV, const int J) {
+        const float *const *qp, const float *kb, long sks, const float *vb, long svs, const int *tb, long cn,
+        float scale, float *sc, float *u, int prefetch, const int DV, const int J) {
     vf qv[4][DV_MAX];                                     /* fixed sizes: registers, not a stack array */
     _Pragma("GCC unroll 4")
     for (int j = 0; j < J; j++)
         _Pragma("GCC unroll 16")
-        for (int d = 0; d < DV; d++) qv[j][d] = load_vf(q + (j0 + j) * sqh + d * LMQ_VL) * scale;
+        for (int d = 0; d < DV; d++) qv[j][d] = load_vf(qp[j] + d * LMQ_VL) * scale;
     for (long c0 = 0; c0 < cn; c0 += LMQ_VL) {
         const long nc = cn - c0 < LMQ_VL ? cn - c0 : LMQ_VL;
         for (long i = 0; i < nc; i++) {
@@ -154,15 +157,15 @@ static inline __attribute__((always_inline)) void scores(
                 *(vf *)(u + (j * LMQ_VL + rev[i]) * LMQ_VL) = a0 + a1;
             }
         }
-        for (int j = 0; j < J; j++) *(vf *)(sc + (j0 + j) * CH + c0) = columns_total(u + j * LMQ_VL * LMQ_VL);
+        for (int j = 0; j < J; j++) *(vf *)(sc + j * CH + c0) = columns_total(u + j * LMQ_VL * LMQ_VL);
     }
 }
 
-/* out_j += p_j[c] v_c over the chunk's columns for heads j0 .. j0 + J - 1 (each V row loaded once for them);
- * acc: [J][D] floats of the partials, each head's sum over c in order. */
+/* acc_j = sum_c p_j[c] v_c over the chunk's columns, in order, for the heads whose partials are pp[0 .. J)
+ * (p_j: sc + j * CH; acc_j to pp[j] + 2); each V row loaded once for the J heads. */
 static inline __attribute__((always_inline)) void values(
-        const float *vb, long svs, const int *tb, long cn, int j0, const float *sc, float *part, long stride,
-        const int DV, const int J) {
+        const float *vb, long svs, const int *tb, long cn, const float *sc, float *const *pp, const int DV,
+        const int J) {
     vf acc[4][DV_MAX];                                    /* fixed sizes: registers, not a stack array */
     _Pragma("GCC unroll 4")
     for (int j = 0; j < J; j++)
@@ -175,7 +178,7 @@ static inline __attribute__((always_inline)) void values(
         for (int d = 0; d < DV; d++) vv[d] = load_vf(vr + d * LMQ_VL);
         _Pragma("GCC unroll 4")
         for (int j = 0; j < J; j++) {
-            const vf p = vf_splat(sc + (j0 + j) * CH + c);
+            const vf p = vf_splat(sc + j * CH + c);
             _Pragma("GCC unroll 16")
             for (int d = 0; d < DV; d++) acc[j][d] = fma_vf(p, vv[d], acc[j][d]);
         }
@@ -183,34 +186,33 @@ static inline __attribute__((always_inline)) void values(
     _Pragma("GCC unroll 4")
     for (int j = 0; j < J; j++)
         _Pragma("GCC unroll 16")
-        for (int d = 0; d < DV; d++) *(vf *)(part + (j0 + j) * stride + 2 + d * LMQ_VL) = acc[j][d];
+        for (int d = 0; d < DV; d++) *(vf *)(pp[j] + 2 + d * LMQ_VL) = acc[j][d];
 }
 
-/* Heads of a group taken together (each K and V row loaded once for them): as many as keep their query
- * vectors, or their accumulators, in a quarter to a half of the registers; one where registers are few. */
+/* Query heads taken together (each K and V row loaded once for them): as many as keep their query vectors,
+ * or their accumulators, in a quarter to a half of the registers; one where registers are few. */
 #define JB (LMQ_VREGS >= 32 ? (16 / DV > 0 ? 16 / DV : 1) : 1)
 
-/* One task: row b, kv head g, columns [c0, c0 + cn) of the row. part: per query head j of the group,
- * [m, l, acc[D]] (D + 2 floats). sc: G * CH floats of scratch (scores, then exp), u: JB * VL * VL floats
- * (the scores' product vectors). DV = D / LMQ_VL, constant per instantiation. */
+/* One task: the P query heads qp[0 .. P) (the G heads of a kv head, of one row or of several rows that
+ * share the chunk's slots) over the chunk's columns, slots tb[0 .. cn) of kv head bases kb, vb; head p's
+ * partial [m, l, acc[D]] to pp[p]. sc: P * CH floats of scratch (scores, then exp), u: JB * VL * VL floats
+ * (the scores' product vectors). A head's arithmetic is the same whatever P and its place in the list.
+ * DV = D / LMQ_VL, constant per instantiation. */
 static inline __attribute__((always_inline)) void chunk(
-        const float *q, long sqb, long sqh, const float *k, long skh, long sks,
-        const float *v, long svh, long svs, const int *tb, int b, int g, long cn,
-        int G, float scale, float *part, float *sc, float *u, const int DV) {
-    const float *kb = k + g * skh, *vb = v + g * svh, *qg = q + b * sqb + g * G * sqh;
-    const int D = DV * LMQ_VL;
+        const float *const *qp, float *const *pp, int P, const float *kb, long sks, const float *vb, long svs,
+        const int *tb, long cn, float scale, float *sc, float *u, const int DV) {
     for (long c = 0; c < PF && c < cn; c++) {
         __builtin_prefetch(kb + tb[c] * sks, 0, 2);
         __builtin_prefetch(vb + tb[c] * svs, 0, 2);
     }
-    for (int j0 = 0; j0 < G; j0 += JB)              /* JB heads a pass (J: a constant in each instance) */
-        switch (G - j0 < JB ? G - j0 : JB) {
-#define SCORES(J) case J: scores(qg, sqh, kb, sks, vb, svs, tb, cn, j0, scale, sc, u, j0 == 0, DV, J); break;
+    for (int p0 = 0; p0 < P; p0 += JB)              /* JB heads a pass (J: a constant in each instance) */
+        switch (P - p0 < JB ? P - p0 : JB) {
+#define SCORES(J) case J: scores(qp + p0, kb, sks, vb, svs, tb, cn, scale, sc + p0 * CH, u, p0 == 0, DV, J); break;
         SCORES(1) SCORES(2) SCORES(3) default: SCORES(4)
 #undef SCORES
         }
-    for (int j = 0; j < G; j++) {
-        float *s = sc + j * CH;
+    for (int p = 0; p < P; p++) {
+        float *s = sc + p * CH;
         long c = 0;
         float m = s[0];
         if (cn >= LMQ_VL) {                          /* a max is exact in any order: a vector's, then its lanes */
@@ -234,19 +236,53 @@ static inline __attribute__((always_inline)) void chunk(
             *(vf *)(s + c) = x;
             for (; c < cn; c++) l += s[c];
         }
-        part[j * (D + 2)] = m;
-        part[j * (D + 2) + 1] = l;
+        pp[p][0] = m;
+        pp[p][1] = l;
     }
-    for (int j0 = 0; j0 < G; j0 += JB)
-        switch (G - j0 < JB ? G - j0 : JB) {
-#define VALUES(J) case J: values(vb, svs, tb, cn, j0, sc, part, D + 2, DV, J); break;
+    for (int p0 = 0; p0 < P; p0 += JB)
+        switch (P - p0 < JB ? P - p0 : JB) {
+#define VALUES(J) case J: values(vb, svs, tb, cn, sc + p0 * CH, pp + p0, DV, J); break;
         VALUES(1) VALUES(2) VALUES(3) default: VALUES(4)
 #undef VALUES
         }
 }
 
-#define CASE(DV) case DV: chunk(q, sqb, sqh, k, skh, sks, v, svh, svs, table + b * stb + c0, b, g, cn, \
-                               G, scale, part, sc, u, DV); break;
+#define CASE(DV) case DV: chunk(qp, pp, P, kb, sks, vb, svs, tb, cn, scale, sc, u, DV); break;
+
+/* Cascade: rows whose chunk holds the same store slots (a prefix they share in the trie: the same slot at
+ * the same position of two rows is one token of one trie path, and so is every slot before it) read it
+ * once: consecutive rows whose chunk i has as many columns and the same slots (compared whole) form one task
+ * a kv head, up to CASCADE_HEADS query heads. */
+#define CASCADE_HEADS 32
+
+typedef struct { int b, rows, i; } group;          /* rows [b, b + rows) share their chunk i */
+
+/* The groups of the B rows' chunks (chunk-major), into gs; returns their number (<= B * nch). */
+static long groups_of(const int *table, long stb, const int *start, int B, long S, long nch, int max_rows,
+                      group *gs) {
+    long n = 0;
+    for (long i = 0; i < nch; i++) {
+        long lead_c0 = 0, lead_cn = 0;
+        for (int b = 0; b < B; b++) {
+            const long s0 = start[b] < 0 ? 0 : start[b], c0 = s0 + i * CH;
+            if (c0 >= S) continue;
+            const long cn = S - c0 < CH ? S - c0 : CH;
+            const int *tb = table + b * stb + c0;
+            group *last = n ? gs + n - 1 : NULL;
+            if (last && last->i == i && last->b + last->rows == b && last->rows < max_rows && cn == lead_cn) {
+                const int *lt = table + last->b * stb + lead_c0;
+                if (tb[cn - 1] == lt[cn - 1] && tb[0] == lt[0] && !memcmp(tb, lt, sizeof(int) * cn)) {
+                    last->rows++;
+                    continue;
+                }
+            }
+            gs[n++] = (group){b, 1, (int)i};
+            lead_c0 = c0;
+            lead_cn = cn;
+        }
+    }
+    return n;
+}
 
 /* The attention's work inside a parallel region (lmq_attention's, or a fused step's: cpu_step.c): the
  * tasks (a dynamic worksharing loop), then the combine (a static one), each ending in a barrier. `parts`:
@@ -256,16 +292,30 @@ void lmq_attention_body(const float *q, long sqb, long sqh,
                         const float *v, long svh, long svs,
                         const int *table, long stb, const int *start, float *out, long sob, long soh,
                         int B, int Hq, int Hkv, long S, int D, float scale, float *parts) {
-    const int G = Hq / Hkv;
-    const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a task's partials */
-    float *sc = malloc(sizeof(float) * ((long)G * CH + 4L * LMQ_VL * LMQ_VL)), *u = sc + (long)G * CH;
+    const int G = Hq / Hkv, max_rows = CASCADE_HEADS / G > 1 ? CASCADE_HEADS / G : 1;
+    const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a chunk's partials */
+    int *ngroups = (int *)(parts + (long)B * Hkv * nch * stride);   /* shared: one thread writes them */
+    group *gs = (group *)(ngroups + 1);
+    #pragma omp single
+    *ngroups = (int)groups_of(table, stb, start, B, S, nch, max_rows, gs);   /* (a barrier at its end) */
+    const int most = max_rows * G;
+    float *sc = malloc(sizeof(float) * ((long)most * CH + 4L * LMQ_VL * LMQ_VL)), *u = sc + (long)most * CH;
+    const float **qp = malloc(sizeof(float *) * most);
+    float **pp = malloc(sizeof(float *) * most);
     #pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < (long)B * Hkv * nch; t++) {
-        const int b = t / (Hkv * nch), g = (t / nch) % Hkv;
-        const long s0 = start[b] < 0 ? 0 : start[b], c0 = s0 + (t % nch) * CH;
-        if (c0 >= S) continue;
+    for (long t = 0; t < (long)*ngroups * Hkv; t++) {
+        const group *gr = gs + t / Hkv;
+        const int g = t % Hkv, P = gr->rows * G;
+        const long s0 = start[gr->b] < 0 ? 0 : start[gr->b], c0 = s0 + (long)gr->i * CH;
         const long cn = S - c0 < CH ? S - c0 : CH;
-        float *part = parts + t * stride;
+        for (int r = 0; r < gr->rows; r++)
+            for (int j = 0; j < G; j++) {
+                const long b = gr->b + r;
+                qp[r * G + j] = q + b * sqb + (g * G + j) * sqh;
+                pp[r * G + j] = parts + ((b * Hkv + g) * nch + gr->i) * stride + j * (D + 2);
+            }
+        const float *kb = k + g * skh, *vb = v + g * svh;
+        const int *tb = table + gr->b * stb + c0;
         switch (D / LMQ_VL) {
 #if LMQ_VL == 16
             CASE(4) CASE(8) CASE(16)
@@ -277,6 +327,8 @@ void lmq_attention_body(const float *q, long sqb, long sqh,
         }
     }
     free(sc);
+    free(qp);
+    free(pp);
     #pragma omp for schedule(static)
     for (long t = 0; t < (long)B * Hq; t++) {     /* combine a (row, query head)'s chunks in order */
         const int b = t / Hq, h = t % Hq, g = h / G, j = h % G;
@@ -302,10 +354,10 @@ void lmq_attention_body(const float *q, long sqb, long sqh,
     }
 }
 
-/* The number of floats lmq_attention_body's `parts` holds. */
+/* The number of floats lmq_attention_body's `parts` holds: the chunks' partials, then the groups. */
 long lmq_attention_parts(int B, int Hq, int Hkv, long S, int D) {
     const long nch = S > 0 ? (S + CH - 1) / CH : 1;
-    return (long)B * Hkv * nch * (Hq / Hkv) * (D + 2);
+    return (long)B * Hkv * nch * (Hq / Hkv) * (D + 2) + 1 + (long)B * nch * (sizeof(group) / sizeof(float));
 }
 
 void lmq_attention(const float *q, long sqb, long sqh,
