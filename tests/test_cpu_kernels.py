@@ -308,6 +308,25 @@ def test_rmsnorm_and_silu_mul_match_torch(kernels):
     assert not cpu.rmsnorm(x.double(), w.double(), 1e-5, out.double())
 
 
+def test_rmsnorm_and_silu_mul_rows_keep_their_bits_threaded(kernels):
+    """Calls of 16K+ elements split their rows (RMSNorm) or columns (silu*up) over the threads: a row gets the
+    bits it gets alone, on any number of threads (577 wide: a tail after 36 vectors of 16)."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(200, 577, generator=g) * 2, torch.randn(577, generator=g)
+    gu = torch.randn(200, 2 * 1000, generator=g) * 4
+    many, act = torch.empty(200, 577), torch.empty(200, 1000)
+    assert cpu.rmsnorm(x, w, 1e-5, many) and cpu.silu_mul(gu, act)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for r in (0, 77, 199):
+            one, one_act = torch.empty(1, 577), torch.empty(1, 1000)
+            assert cpu.rmsnorm(x[r:r + 1], w, 1e-5, one) and cpu.silu_mul(gu[r:r + 1], one_act)
+            assert torch.equal(one[0], many[r]) and torch.equal(one_act[0], act[r]), r
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
     """The fused CPU step and prefill with lmq's C kernels (RMSNorm, RoPE + K/V append with q/k norms and left
