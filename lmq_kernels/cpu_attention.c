@@ -48,29 +48,6 @@
 
 static inline vf load_vf(const float *p) { return *(const vf *)p; }   /* vf is aligned(4) */
 
-/* The sum of a native vector's lanes in a fixed order (halves, then quarters, ...). */
-static inline float lanes_total(vf a) {
-#if LMQ_VL == 16
-    a += __builtin_shuffle(a, (vfi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-#endif
-#if LMQ_VL >= 8
-    a += __builtin_shuffle(a, (vfi){4, 5, 6, 7, 0, 1, 2, 3
-#if LMQ_VL == 16
-                                    , 12, 13, 14, 15, 8, 9, 10, 11
-#endif
-                                    });
-#endif
-    a += __builtin_shuffle(a, (vfi){2, 3, 0, 1
-#if LMQ_VL >= 8
-                                    , 6, 7, 4, 5
-#endif
-#if LMQ_VL == 16
-                                    , 10, 11, 8, 9, 14, 15, 12, 13
-#endif
-                                    });
-    return a[0] + a[1];
-}
-
 /* The lane sums of VL columns' product vectors at once: u holds column c's vector at u + rev[c] * LMQ_VL (rev:
  * the bit reversal of c's log2(VL) bits); lane c of the result is column c's sum, added in lanes_total's
  * order (lane i + lane i + VL/2, then + the lane VL/4 further, ..., 1 further): each level adds the two

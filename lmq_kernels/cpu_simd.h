@@ -109,6 +109,30 @@ static inline float hsum(v16 a) {
 #endif
 }
 
+/* The sum of a native vector's lanes in a fixed order: lane i + lane i + VL/2, then + the lane VL/4 further,
+ * ..., then lane 0 + lane 1 (log2(VL) shuffles and adds). */
+static inline float lanes_total(vf a) {
+#if LMQ_VL == 16
+    a += __builtin_shuffle(a, (vfi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+#if LMQ_VL >= 8
+    a += __builtin_shuffle(a, (vfi){4, 5, 6, 7, 0, 1, 2, 3
+#if LMQ_VL == 16
+                                    , 12, 13, 14, 15, 8, 9, 10, 11
+#endif
+                                    });
+#endif
+    a += __builtin_shuffle(a, (vfi){2, 3, 0, 1
+#if LMQ_VL >= 8
+                                    , 6, 7, 4, 5
+#endif
+#if LMQ_VL == 16
+                                    , 10, 11, 8, 9, 14, 15, 12, 13
+#endif
+                                    });
+    return a[0] + a[1];
+}
+
 /* exp(x) for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
  * (Cephes' expf: relative error ~2e-7); x < -87 gives 0. vexp_vf: one native vector; vexp: 16 lanes. */
 static inline vf vexp_vf(vf x) {
