@@ -10,9 +10,11 @@
  *
  * Shape per instruction set (cpu_simd.h's vf: the target's own vector of LMQ_VL lanes): a register block
  * is MR rows x NV vectors of accumulators, plus NV weight vectors and a broadcast, within the target's
- * registers: AVX-512 (32 x 16 lanes) 8 x 2 (16 accumulators), AVX2/AVX (16 x 8 lanes) and SSE/generic
- * (16 x 4) 4 x 3 (12), NEON (32 x 4) 8 x 2. More rows than MR are further passes over the same chunk's
- * weights (from L1). (One 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to
+ * registers: AVX-512 (32 x 16 lanes) 6 x 4 (24 accumulators: a block is a whole 64-column panel row, one
+ * contiguous stream; at 1-512 rows 3-16% faster than the 8 x 2 it replaced, e.g. 576x3072 at 8 rows 140 ->
+ * 163 GFLOP/s, at 208 rows 197 -> 204, two Zen 4 cores: benchmarks/RESULTS.md, twenty-first session),
+ * AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
+ * further passes over the same chunk's weights (from L1). (One 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to
  * 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at build time (for measurements).
  *
  * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (64 in a panel of a
@@ -37,14 +39,14 @@
 
 #ifndef LMQ_GEMM_MR
 #if LMQ_VREGS >= 32
-#define LMQ_GEMM_MR 8
+#define LMQ_GEMM_MR 6
 #else
 #define LMQ_GEMM_MR 4
 #endif
 #endif
 #ifndef LMQ_GEMM_NV
 #if LMQ_VREGS >= 32
-#define LMQ_GEMM_NV 2
+#define LMQ_GEMM_NV 4
 #else
 #define LMQ_GEMM_NV 3
 #endif

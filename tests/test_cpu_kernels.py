@@ -65,17 +65,17 @@ def test_the_kernels_build_and_load():
 
 @pytest.mark.skipif(not X86 or AVX512 <= FLAGS, reason="the AVX-512 build runs with the kernel tests here")
 def test_the_avx512_variant_compiles():
-    """The AVX-512 shape (16 lanes, 8 x 2 blocking) compiles on a host that cannot run it."""
+    """The AVX-512 shape (16 lanes, 6 x 4 blocking) compiles on a host that cannot run it."""
     assert cpu.build("x86-64-v4") is not None, cpu.build_error("x86-64-v4")
 
 
 def test_the_blocking_fits_the_target(kernels, request):
-    """8-lane vectors and 4 x 3 accumulators (12 of 16 registers) for AVX2, 16 lanes and 8 x 2 for AVX-512,
+    """8-lane vectors and 4 x 3 accumulators (12 of 16 registers) for AVX2, 16 lanes and 6 x 4 for AVX-512,
     4 lanes for the portable build: accumulators, weight vectors and a broadcast fit the registers."""
     shape = cpu.gemm_shape(kernels)
     assert shape["rows"] * shape["vectors"] + shape["vectors"] + 1 <= shape["registers"]
     want = {"x86-64-v3": {"lanes": 8, "rows": 4, "vectors": 3, "registers": 16},
-            "x86-64-v4": {"lanes": 16, "rows": 8, "vectors": 2, "registers": 32},
+            "x86-64-v4": {"lanes": 16, "rows": 6, "vectors": 4, "registers": 32},
             "x86-64": {"lanes": 4, "rows": 4, "vectors": 3, "registers": 16}}
     want = want.get(request.node.callspec.params["kernels"])
     assert want is None or shape == want
