@@ -277,6 +277,7 @@ void lmq_attention_body(const float *q, long sqb, long sqh,
     *ngroups = (int)groups_of(table, stb, start, B, S, nch, max_rows, gs);   /* (a barrier at its end) */
     const int most = max_rows * G;
     float *sc = malloc(sizeof(float) * ((long)most * CH + 4L * LMQ_VL * LMQ_VL)), *u = sc + (long)most * CH;
+    memset(u, 0, sizeof(float) * 4 * LMQ_VL * LMQ_VL);   /* a short last group's unused slots: read, not used */
     const float **qp = malloc(sizeof(float *) * most);
     float **pp = malloc(sizeof(float *) * most);
     #pragma omp for schedule(dynamic, 1)
