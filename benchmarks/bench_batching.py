@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,10 +97,14 @@ def w1(backend, calls: int) -> None:
     print(f"  lmq steps: {[(s.kind, s.batch_size, s.new_tokens) for s in steps]}")
 
 
-def w2(backend) -> None:
+def w2(backend, rounds: int = 1) -> None:
     q = lmq.Query(W.W2_QUERY, model=backend)
-    chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (traveller {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
-    other_chats = [{"system": W.W2_SYSTEM, "turns": [f"{t} (visitor {c})" for t in W.W2_TURNS]} for c in range(CHATS)]
+
+    def chats_of(who: str, k: int) -> list[dict]:  # each round its own texts: no round reuses another's cache
+        tag = f", round {k}" if k else ""
+        return [{"system": W.W2_SYSTEM, "turns": [f"{t} ({who} {c}{tag})" for t in W.W2_TURNS]} for c in range(CHATS)]
+
+    chats = chats_of("traveller", 0)
     asyncio.run(q.run({"system": W.W2_SYSTEM, "turns": ["warm-up"]}))
     warm_runs = iter(range(100))
 
@@ -109,18 +114,22 @@ def w2(backend) -> None:
 
     W.until_calibrated(lambda: asyncio.run(warm_up()))
 
-    async def sequential():
-        for c in other_chats:
+    async def sequential(batch):
+        for c in batch:
             await q.run(c)
 
-    async def concurrent():
-        await asyncio.gather(*(q.run(c) for c in chats))
+    async def concurrent(batch):
+        await asyncio.gather(*(q.run(c) for c in batch))
 
-    t_seq = timed(sequential)
-    steps = []
-    backend.on_step(steps.append)
-    t_con = timed(concurrent)
-    backend.on_step(None)
+    # one after another and at once alternate, round by round: each round's ratio compares runs a minute apart
+    # at most (a 2-core host's speed drifts by 15% and more between runs)
+    seqs, cons, steps = [], [], []
+    for k in range(rounds):
+        seqs.append(timed(lambda: sequential(chats_of("visitor", k))))
+        backend.on_step(steps.append if k == rounds - 1 else None)
+        cons.append(timed(lambda: concurrent(chats_of("traveller", k))))
+        backend.on_step(None)
+    t_seq, t_con = statistics.median(seqs), statistics.median(cons)
     encode = backend.vocab.encode
     histories = [encode("<|im_start|>system\n" + W.W2_SYSTEM + "<|im_end|>\n") for _ in chats]
     model = W.plain_model(backend.model)
@@ -136,6 +145,9 @@ def w2(backend) -> None:
     print(f"\nW2, {CHATS} chats x {len(W.W2_TURNS)} turns (total seconds)")
     print(f"  lmq concurrent        {t_con:8.3f}")
     print(f"  lmq one after another {t_seq:8.3f}   (concurrent is {t_seq / t_con:.1f}x the throughput)")
+    if rounds > 1:
+        print(f"  rounds (medians above): concurrent {', '.join(f'{t:.3f}' for t in cons)}; one after another "
+              f"{', '.join(f'{t:.3f}' for t in seqs)}; ratios {', '.join(f'{a / b:.2f}' for a, b in zip(seqs, cons))}")
     print(f"  HF generate, batch    {t_hf:8.3f}   ({t_hf / t_con:.1f}x slower)")
     print(f"  lmq decode steps: {len(decodes)}, mean batch {sum(decodes) / max(len(decodes), 1):.1f}")
 
@@ -148,6 +160,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="W2: rounds of one after another and at once, alternating")
     args = ap.parse_args()
     if args.random and args.tokenizer is None:
         from lmq_backend.backend.default_model import default_model_dir
@@ -157,7 +170,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.device}, {args.random or args.model}, {args.dtype}, "
           f"fused decode: {backend.runner.fused}")
     w1(backend, args.calls)
-    w2(backend)
+    w2(backend, args.rounds)
 
 
 if __name__ == "__main__":
