@@ -261,21 +261,33 @@ static long groups_of(const int *table, long stb, const int *start, int B, long 
     return n;
 }
 
+/* The rows a cascade task takes at most (CASCADE_HEADS query heads). */
+static int cascade_rows(int G) { return CASCADE_HEADS / G > 1 ? CASCADE_HEADS / G : 1; }
+
+/* The cascade's groups of the rows' chunks, written into `parts` after the chunks' partials (see
+ * lmq_attention_parts), for lmq_attention_body to read: once per page-table state (a fused step computes them
+ * once for all its layers: every layer reads the same columns). */
+void lmq_attention_groups(const int *table, long stb, const int *start, int B, int Hq, int Hkv, long S, int D,
+                          float *parts) {
+    const int G = Hq / Hkv;
+    const long nch = S > 0 ? (S + CH - 1) / CH : 1;
+    int *ngroups = (int *)(parts + (long)B * Hkv * nch * G * (D + 2));
+    *ngroups = (int)groups_of(table, stb, start, B, S, nch, cascade_rows(G), (group *)(ngroups + 1));
+}
+
 /* The attention's work inside a parallel region (lmq_attention's, or a fused step's: cpu_step.c): the
  * tasks (a dynamic worksharing loop), then the combine (a static one), each ending in a barrier. `parts`:
- * B * Hkv * chunks * G * (D + 2) floats shared by the threads. D must be 64, 128 or 256 (the caller checks). */
+ * lmq_attention_parts floats shared by the threads, its groups written by lmq_attention_groups for this
+ * table, start and S. D must be 64, 128 or 256 (the caller checks). */
 void lmq_attention_body(const float *q, long sqb, long sqh,
                         const float *k, long skh, long sks,
                         const float *v, long svh, long svs,
                         const int *table, long stb, const int *start, float *out, long sob, long soh,
                         int B, int Hq, int Hkv, long S, int D, float scale, float *parts) {
-    const int G = Hq / Hkv, max_rows = CASCADE_HEADS / G > 1 ? CASCADE_HEADS / G : 1;
+    const int G = Hq / Hkv, most = cascade_rows(G) * G;
     const long nch = S > 0 ? (S + CH - 1) / CH : 1, stride = (long)G * (D + 2);  /* a chunk's partials */
-    int *ngroups = (int *)(parts + (long)B * Hkv * nch * stride);   /* shared: one thread writes them */
-    group *gs = (group *)(ngroups + 1);
-    #pragma omp single
-    *ngroups = (int)groups_of(table, stb, start, B, S, nch, max_rows, gs);   /* (a barrier at its end) */
-    const int most = max_rows * G;
+    const int *ngroups = (const int *)(parts + (long)B * Hkv * nch * stride);
+    const group *gs = (const group *)(ngroups + 1);
     float *sc = malloc(sizeof(float) * ((long)most * CH + 4L * LMQ_VL * LMQ_VL)), *u = sc + (long)most * CH;
     memset(u, 0, sizeof(float) * 4 * LMQ_VL * LMQ_VL);   /* a short last group's unused slots: read, not used */
     const float **qp = malloc(sizeof(float *) * most);
@@ -344,6 +356,7 @@ void lmq_attention(const float *q, long sqb, long sqh,
                    const int *table, long stb, const int *start, float *out, long sob, long soh,
                    int B, int Hq, int Hkv, long S, int D, float scale, int threads) {
     float *parts = malloc(sizeof(float) * lmq_attention_parts(B, Hq, Hkv, S, D));
+    lmq_attention_groups(table, stb, start, B, Hq, Hkv, S, D, parts);
     #pragma omp parallel num_threads(threads)
     lmq_attention_body(q, sqb, sqh, k, skh, sks, v, svh, svs, table, stb, start, out, sob, soh,
                        B, Hq, Hkv, S, D, scale, parts);

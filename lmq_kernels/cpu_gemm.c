@@ -14,8 +14,9 @@
  * contiguous stream; at 1-512 rows 3-16% faster than the 8 x 2 it replaced, e.g. 576x3072 at 8 rows 140 ->
  * 163 GFLOP/s, at 208 rows 197 -> 204, two Zen 4 cores: benchmarks/RESULTS.md, twenty-first session),
  * AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
- * further passes over the same chunk's weights (from L1). (One 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to
- * 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at build time (for measurements).
+ * further passes over the same chunk's weights (from L1). (One 16-lane shape for all spilled on AVX2: 32
+ * accumulators in 16 registers, up to 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at
+ * build time (for measurements).
  *
  * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (64 in a panel of a
  * panel-major copy, one stream; the accumulators go back to y between chunks: more rows of x amortise that

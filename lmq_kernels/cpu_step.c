@@ -65,6 +65,8 @@ void lmq_attention_body(const float *q, long sqb, long sqh, const float *k, long
                         float *out, long sob, long soh, int B, int Hq, int Hkv, long S, int D, float scale,
                         float *parts);
 long lmq_attention_parts(int B, int Hq, int Hkv, long S, int D);
+void lmq_attention_groups(const int *table, long stb, const int *start, int B, int Hq, int Hkv, long S, int D,
+                          float *parts);
 
 /* Thread t of nt's share of y (+)= a @ W. */
 static void mm_share(const lmq_weight *w, const float *a, long lda, float *y, long ldy, int M, int acc,
@@ -100,6 +102,7 @@ void lmq_decode_layers(const lmq_layer *layers, int L, float *x, long ldx, int B
     int *rel = malloc(sizeof(int) * B);                    /* each row's first column, from `first` on */
     for (int b = 0; b < B; b++) rel[b] = start[b] - first < 0 ? 0 : (int)(start[b] - first);
     float *parts = malloc(sizeof(float) * lmq_attention_parts(B, Hq, Hkv, S, D));
+    lmq_attention_groups(table + first, stb, rel, B, Hq, Hkv, S, D, parts);   /* the same for every layer */
     const int width = hidden > inter ? hidden : inter;
     float *hbuf = malloc(sizeof(float) * (size_t)threads * B * width);
     #pragma omp parallel num_threads(threads)
