@@ -48,7 +48,7 @@ def host_lines() -> list[str]:
     kernels = cpu.build()
     shape = cpu.gemm_shape(kernels) if kernels is not None else cpu.build_error()
     return [f"date {datetime.datetime.now().isoformat(timespec='minutes')}, command: {' '.join(sys.argv)}",
-            f"host {model}, {os.cpu_count()} CPUs, ISA {cpu.isa()} (-march=native), load average "
+            f"host {model}, {os.cpu_count()} CPUs, ISA {cpu.isa()} (-march={cpu.target()}), load average "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
             f"GEMM blocking {shape}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"LMQ_CPU_KERNELS={os.environ.get('LMQ_CPU_KERNELS', 'auto')}"]

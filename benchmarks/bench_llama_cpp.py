@@ -196,7 +196,8 @@ def host_line(args) -> str:
                   if line.startswith("model name")), platform.processor())
     import llama_cpp
 
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, ISA {cpu.isa()}; "
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, "
+            f"ISA {cpu.isa()} (-march={cpu.target()}); "
             f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}, {args.threads} threads; load "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; command: {' '.join(sys.argv)}")
 

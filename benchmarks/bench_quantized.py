@@ -45,7 +45,7 @@ def host_line() -> str:
                   if line.startswith("model name")), platform.processor())
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, ISA "
-            f"{cpu.isa()}; torch {torch.__version__}, {torch.get_num_threads()} threads; load {load}; "
+            f"{cpu.isa()} (-march={cpu.target()}); torch {torch.__version__}, {torch.get_num_threads()} threads; load {load}; "
             f"command: {' '.join(sys.argv)}")
 
 

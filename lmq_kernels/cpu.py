@@ -27,7 +27,7 @@ what was chosen.
 The library (cpu_build.py) goes to `<build_dir>/cpu_kernels-<key>.so`, the key covering the sources, the
 flags, the target, the compiler's version and the CPU's flags, so a different machine or source builds its
 own. The engine's library is built for the host (-march=native: AVX-512, AVX2+FMA, NEON or generic
-vectors, see cpu_simd.h); `build(march)` builds another target's variant (tests run the AVX2 one on any
+vectors, see cpu_simd.h; `LMQ_CPU_MARCH` names another target); `build(march)` builds another target's variant (tests run the AVX2 one on any
 x86-64-v3 host), `use(kernels)` runs the module's functions on it. When the library cannot be built or
 loaded, one line is logged (`build_error()` says why) and torch runs every op.
 """
@@ -52,7 +52,7 @@ from .cpu_calibration import Bench, Calibration
 
 __all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "attention", "prefill_attention",
            "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
-           "choices", "configure", "isa", "gemm_shape"]
+           "choices", "configure", "isa", "target", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 
@@ -83,6 +83,12 @@ def mode() -> str:
     "auto" (the default, and any other value: calibrated)."""
     value = os.environ.get("LMQ_CPU_KERNELS", "auto")
     return value if value in ("0", "1") else "auto"
+
+
+def target() -> str:
+    """The compiler target of the engine's library: `LMQ_CPU_MARCH` (say "x86-64-v3", to run the AVX2
+    variant end to end on an AVX-512 host and measure it), else "native" (the host's own instruction set)."""
+    return os.environ.get("LMQ_CPU_MARCH") or "native"
 
 
 def _directory() -> Path:
@@ -172,8 +178,8 @@ def _load() -> ctypes.CDLL | None:
     if _lib is not None:
         return _lib
     directory = _directory()
-    first = (directory, "native") not in _tried
-    lib, error, key = _build_and_open("native")
+    first = (directory, target()) not in _tried
+    lib, error, key = _build_and_open(target())
     if lib is None:
         if first:
             log.warning("lmq: CPU kernels unavailable, torch runs every CPU op: %s", (error or "").splitlines()[0])

@@ -374,3 +374,20 @@ def test_no_kernels_means_torch_and_one_log_line(why, fresh_module, monkeypatch,
     assert error and expected in error, error
     lines = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.skipif("x86-64-v3" not in TARGETS, reason="the host cannot run the AVX2 build")
+def test_the_engine_runs_the_target_lmq_cpu_march_names(fresh_module, monkeypatch):
+    """`LMQ_CPU_MARCH=x86-64-v3` builds the engine's own library (the one every op and the C step call)
+    for AVX2 + FMA, so that the AVX2 variant is measured end to end on an AVX-512 host; unset, the host's."""
+    monkeypatch.setenv("LMQ_CPU_MARCH", "x86-64-v3")
+    assert cpu.target() == "x86-64-v3"
+    assert cpu.gemm_shape(cpu._load())["lanes"] == 8
+    w, x, out = k_major(64, 32, seed=6), torch.randn(3, 32), torch.zeros(3, 64)
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
+    assert cpu.small_m_mm(x, w.t(), out)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+    monkeypatch.delenv("LMQ_CPU_MARCH")
+    monkeypatch.setattr(cpu, "_lib", None)
+    assert cpu.target() == "native"
+    assert cpu.gemm_shape(cpu._load()) == cpu.gemm_shape(cpu.build("native"))
