@@ -156,6 +156,14 @@ class Lmq:
     def w2(self):
         return self.loop.run_until_complete(self.q2(system=W.W2_SYSTEM, turns=W.W2_TURNS))
 
+    def close(self) -> None:
+        """Stop the backend's scheduler task with the loop (a loop dropped with it pending warns at exit)."""
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
 
 def compare(pair: str, ours: Lmq, theirs: LlamaCpp, args, shots: str) -> None:
     """Warm both up, then per round: W1's calls and a W2 chat on lmq, then on llama.cpp (so that both meet
@@ -218,7 +226,9 @@ def main() -> None:
           "sequential ones]")
     for pair in args.pairs.split(","):
         dtype, path, peer = {"fp32": ("float32", None, "F32"), "int4": ("int4", gguf_path(), "Q4_1")}[pair]
-        compare(f"{pair} vs {peer}", Lmq(dtype, args), LlamaCpp(path or f32_gguf(), args.threads), args, shots)
+        ours = Lmq(dtype, args)
+        compare(f"{pair} vs {peer}", ours, LlamaCpp(path or f32_gguf(), args.threads), args, shots)
+        ours.close()
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
