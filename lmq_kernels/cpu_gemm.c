@@ -143,9 +143,11 @@ static void columns(const float *x, long ldx, const float *w, long ldw, float *y
      * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes.
      * A panel's chunk of 64 rows is 16 KB of one stream: over 5+ rows it beats 16 (the accumulators go back
      * to y 4x less often, the prefetch runs 4x further ahead): 576x3072 at 8 rows 0.33 -> 0.26 ms, at 16
-     * 0.52 -> 0.39 (2 threads, Zen 4; benchmarks/RESULTS.md, twentieth session) */
+     * 0.52 -> 0.39 (2 threads, Zen 4; benchmarks/RESULTS.md, twentieth session), and at 1-4 rows it beats 4
+     * and 8: a decode step's 120 layer GEMMs over cold panels at one row 10.4 -> 7.5 ms, at 3-4 rows 8.4-8.6
+     * -> 7.4-7.6 (2 threads, Zen 5; twenty-second session) */
     const int aliased = (ldw * (long)sizeof(float)) % 4096 == 0;
-    const long kc_rows = M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : contiguous ? 64 : (aliased ? 8 : 16);
+    const long kc_rows = contiguous ? 64 : M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
     const long cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / NB * NB, step = cols > NB ? cols : NB;
     for (long p = n0; p < n1; p += step) {
         const long p1 = n1 - p < step ? n1 : p + step;
