@@ -21,7 +21,11 @@ from . import cpu
 
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
-MAX_ROWS = 16   # the rows the quantized and small-M GEMMs are run at in a decode step
+# the rows a step takes: the small-M GEMM's range (cpu.GEMM_MAX_ROWS); the engine's calibration chooses between
+# this call and the per-op loop per row bucket. (It was 16: steps of 17-256 rows, concurrent calls, ran ~9
+# calls from Python a layer; in C 32 rows 47.5 -> 39.3 ms a step, 64 rows 81 -> 75, 200 rows 214 -> 196, Zen 5,
+# benchmarks/RESULTS.md, twenty-second session.)
+MAX_ROWS = cpu.GEMM_MAX_ROWS
 W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
 PANEL = 64      # columns of a panel of float32 weights (a multiple of every target's vector; cpu_gemm.c)
 _p, _l, _f, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
