@@ -27,9 +27,10 @@ what was chosen.
 The library (cpu_build.py) goes to `<build_dir>/cpu_kernels-<key>.so`, the key covering the sources, the
 flags, the target, the compiler's version and the CPU's flags, so a different machine or source builds its
 own. The engine's library is built for the host (-march=native: AVX-512, AVX2+FMA, NEON or generic
-vectors, see cpu_simd.h; `LMQ_CPU_MARCH` names another target); `build(march)` builds another target's variant (tests run the AVX2 one on any
-x86-64-v3 host), `use(kernels)` runs the module's functions on it. When the library cannot be built or
-loaded, one line is logged (`build_error()` says why) and torch runs every op.
+vectors, see cpu_simd.h; `LMQ_CPU_MARCH` names another target); `build(march)` builds another target's
+variant (tests run the AVX2 one on any x86-64-v3 host), `use(kernels)` runs the module's functions on it.
+When the library cannot be built or loaded, one line is logged (`build_error()` says why) and torch runs
+every op.
 """
 from __future__ import annotations
 
