@@ -83,32 +83,6 @@ static inline v16 vselect(i16 mask, v16 a, v16 b) {   /* mask ? a : b, lane by l
 #define LMQ_PARTS (16 / LMQ_VL)
 typedef int vfi __attribute__((vector_size(4 * LMQ_VL)));
 
-/* The sum of the 16 lanes, always in the same order: lane i + lane i+8, then + the lane 4 further, 2
- * further, 1 further (the sum of lane 0). */
-static inline float hsum(v16 a) {
-#if LMQ_VL == 16
-    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
-    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
-    a += __builtin_shuffle(a, (i16){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
-    return a[0];
-#else
-    vf p[LMQ_PARTS];
-    __builtin_memcpy(p, &a, sizeof(a));
-#if LMQ_VL == 8
-    vf s = p[0] + p[1];                                                   /* lanes i and i + 8 */
-    s += __builtin_shuffle(s, (vfi){4, 5, 6, 7, 0, 1, 2, 3});
-    s += __builtin_shuffle(s, (vfi){2, 3, 0, 1, 4, 5, 6, 7});
-    s += __builtin_shuffle(s, (vfi){1, 0, 2, 3, 4, 5, 6, 7});
-#else
-    vf s = (p[0] + p[2]) + (p[1] + p[3]);                                  /* i + 8, then i + 4 */
-    s += __builtin_shuffle(s, (vfi){2, 3, 0, 1});
-    s += __builtin_shuffle(s, (vfi){1, 0, 2, 3});
-#endif
-    return s[0];
-#endif
-}
-
 /* The sum of a native vector's lanes in a fixed order: lane i + lane i + VL/2, then + the lane VL/4 further,
  * ..., then lane 0 + lane 1 (log2(VL) shuffles and adds). */
 static inline float lanes_total(vf a) {
@@ -131,6 +105,23 @@ static inline float lanes_total(vf a) {
 #endif
                                     });
     return a[0] + a[1];
+}
+
+/* The sum of the 16 lanes, always in the same order: lane i + lane i+8, then + the lane 4 further, 2
+ * further, 1 further (the sum of lane 0): the target's vectors added part by part down to one, then
+ * lanes_total's tree. */
+static inline float hsum(v16 a) {
+#if LMQ_VL == 16
+    return lanes_total((vf)a);
+#else
+    vf p[LMQ_PARTS];
+    __builtin_memcpy(p, &a, sizeof(a));
+#if LMQ_VL == 8
+    return lanes_total(p[0] + p[1]);                                      /* lanes i and i + 8 */
+#else
+    return lanes_total((p[0] + p[2]) + (p[1] + p[3]));                    /* i + 8, then i + 4 */
+#endif
+#endif
 }
 
 /* exp(x) for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
