@@ -18,12 +18,13 @@
  * accumulators in 16 registers, up to 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at
  * build time (for measurements).
  *
- * Chunks and panels: a chunk is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (64 in a panel of a
- * panel-major copy, one stream; the accumulators go back to y between chunks: more rows of x amortise that
- * over longer chunks), 4 and 8 when the weight's row
- * stride is a multiple of 4 KB (the lm_head of a 49152 vocabulary, a 3072-wide gate_up): such rows share
- * their cache sets, and a long chunk is evicted before it is used (measured on Zen 3, 1 thread). A thread
- * walks its columns in panels of LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in L2 until used).
+ * Chunks and panels: a chunk of K-major weights is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (the
+ * accumulators go back to y between chunks: more rows of x amortise that over longer chunks); a panel of a
+ * panel-major copy, one stream, takes 64 at every row count (see `columns`); K-major chunks are 4 and 8 when
+ * the weight's row stride is a multiple of 4 KB (the lm_head of a 49152 vocabulary, a 3072-wide gate_up):
+ * such rows share their cache sets, and a long chunk is evicted before it is used (measured on Zen 3, 1
+ * thread). A thread walks its columns in panels of LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in
+ * L2 until used).
  * Weights under 64K elements run on one thread (a second one costs more than it saves).
  *
  * Exactness: every output is one fused multiply-add chain over k = 0..K-1 in order, whatever M, the
