@@ -66,10 +66,22 @@ void lmq_rmsnorm(const float *x, long ldx, const float *w, float *y, long ldy, i
     }
 }
 
-/* silu(g) u = g sigmoid(g) u, sigmoid from e = exp(-|g|) (vexp's domain): 1 / (1 + e) or e / (1 + e). */
+/* silu(g) u = g sigmoid(g) u, sigmoid from e = exp(-|g|) (vexp's domain): 1 / (1 + e) or e / (1 + e); on the
+ * target's own vectors, part by part (a 16-lane comparison is 16 scalar ones on AVX2: cpu_simd.h), the same
+ * operations on every lane. */
+static inline vf silu_mul_vf(vf g, vf u) {
+    const vfi pos = g > 0;
+    const vf one = (vf){0} + 1.0f, e = vexp_vf((vf)(((vfi)-g & pos) | ((vfi)g & ~pos)));
+    return g * ((vf)(((vfi)one & pos) | ((vfi)e & ~pos)) / (one + e)) * u;
+}
+
 static inline v16 silu_mul16(v16 g, v16 u) {
-    const v16 e = vexp(vselect(g > 0, -g, g)), one = (v16){0} + 1.0f;
-    return g * (vselect(g > 0, one, e) / (one + e)) * u;
+    vf gp[LMQ_PARTS], up[LMQ_PARTS];
+    __builtin_memcpy(gp, &g, sizeof(g));
+    __builtin_memcpy(up, &u, sizeof(u));
+    for (int p = 0; p < LMQ_PARTS; p++) gp[p] = silu_mul_vf(gp[p], up[p]);
+    __builtin_memcpy(&g, gp, sizeof(g));
+    return g;
 }
 
 /* Columns [i0, i1) of out = silu(gate) * up, gate and up row m at g + m * ldg, u + m * ldu: lane by lane,

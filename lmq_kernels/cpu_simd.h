@@ -1,6 +1,6 @@
 /* Float vectors for lmq's CPU kernels (GCC/Clang vector extensions) and the reductions they share.
  *
- *   v16, i16, vselect, hsum, vexp   16 lanes whatever the target (64 bytes: one register with AVX-512,
+ *   v16, hsum                       16 lanes whatever the target (64 bytes: one register with AVX-512,
  *                                   two with AVX2, four with SSE/NEON; the compiler splits them)
  *   vf, LMQ_VL, LMQ_VREGS           the target's own vector: LMQ_VL float lanes, one register each, and
  *                                   how many such registers it has, chosen at compile time from the
@@ -70,16 +70,11 @@ static inline vf fma_vf(vf a, vf b, vf c) {
 }
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int i16 __attribute__((vector_size(64)));
-
-static inline v16 vselect(i16 mask, v16 a, v16 b) {   /* mask ? a : b, lane by lane */
-    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
-}
 
 /* v16 code is split by the compiler into the target's registers, but GCC does not split every operation:
- * on AVX2/SSE/NEON a 16-lane comparison or shuffle becomes 16 scalar ones. hsum and vexp therefore work on
- * the target's own vectors (vf), part by part, with the same operations in the same order on every lane:
- * the same bits as a 16-lane evaluation. */
+ * on AVX2/SSE/NEON a 16-lane comparison or shuffle becomes 16 scalar ones. hsum, vexp_vf and silu (cpu_ops.c)
+ * therefore work on the target's own vectors (vf), part by part, with the same operations in the same order
+ * on every lane: the same bits as a 16-lane evaluation. */
 #define LMQ_PARTS (16 / LMQ_VL)
 typedef int vfi __attribute__((vector_size(4 * LMQ_VL)));
 
@@ -125,7 +120,7 @@ static inline float hsum(v16 a) {
 }
 
 /* exp(x) for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
- * (Cephes' expf: relative error ~2e-7); x < -87 gives 0. vexp_vf: one native vector; vexp: 16 lanes. */
+ * (Cephes' expf: relative error ~2e-7); x < -87 gives 0. One native vector. */
 static inline vf vexp_vf(vf x) {
     const vf lo = (vf){0} - 87.0f;
     const vfi keep = x >= lo;
@@ -144,14 +139,6 @@ static inline vf vexp_vf(vf x) {
     p = p * r * r + r + 1.0f;
     vf scale = (vf)((n + 127) << 23);
     return (vf)((vfi)(p * scale) & (x > lo));
-}
-
-static inline v16 vexp(v16 x) {
-    vf p[LMQ_PARTS];
-    __builtin_memcpy(p, &x, sizeof(x));
-    for (int i = 0; i < LMQ_PARTS; i++) p[i] = vexp_vf(p[i]);
-    __builtin_memcpy(&x, p, sizeof(x));
-    return x;
 }
 
 #endif
