@@ -182,6 +182,37 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
     if (last) scalar_tail(x, ldx, w, ldw, y, ldy, M, K, accumulate, vec_end, N);
 }
 
+/* One row of x over a 64-column panel, the panel's whole width a block (WIDE accumulators): where a register
+ * block is narrower than a panel (AVX2's 4 x 3: 24 columns), one row's few independent FMA chains wait on the
+ * FMA's latency, and a panel row is read in three passes (24 + 8 + 8 columns). The weights stream through
+ * in one pass, prefetched 64 rows ahead (the same distance as a chunk). Each output is the same FMA chain.
+ * AVX2 only (8 accumulators and the broadcast in 16 registers, the weights FMA operands from memory): the
+ * decode step's 120 layer GEMMs at one row over cold panels 9.1 -> 6.5 ms on the x86-64-v3 build (two Zen 5
+ * cores; benchmarks/RESULTS.md, twenty-third session). AVX-512's block is a panel's width already. */
+#define WIDE (64 / LMQ_VL)
+#if LMQ_VL == 8 && defined(__FMA__) && WIDE > NV
+#define ONE_ROW_WIDE 1
+#else
+#define ONE_ROW_WIDE 0
+#endif
+static void panel_one_row(const float *x, const float *w, float *y, long K, int accumulate) {
+    vf a[WIDE];
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < WIDE; j++) a[j] = accumulate ? *(const vf *)(y + LMQ_VL * j) : (vf){0};
+    for (long k = 0; k < K; k++) {
+        const float *wk = w + k * 64;
+        if (k + 64 < K) {
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < 64; j += 16) __builtin_prefetch(wk + 64 * 64 + j, 0, 2);
+        }
+        const vf xv = vf_splat(x + k);
+        _Pragma("GCC unroll 16")
+        for (int j = 0; j < WIDE; j++) a[j] = fma_vf(xv, *(const vf *)(wk + LMQ_VL * j), a[j]);
+    }
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < WIDE; j++) *(vf *)(y + LMQ_VL * j) = a[j];
+}
+
 /* Thread t of nt's share of y (+)= x @ w over panel-major weights: w holds N / P panels of P columns (a
  * multiple of NB), each [K, P] contiguous ([N / P][K][P]); a thread takes a contiguous range of panels, so
  * that it streams one contiguous region of memory. (Two threads that each read their half of every row of
@@ -194,8 +225,15 @@ void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, flo
     if (nt > panels) nt = panels > 0 ? (int)panels : 1;
     if (K * N < LMQ_GEMM_SERIAL_BELOW) nt = 1;
     if (t >= nt) return;
-    for (long p = panels * t / nt; p < panels * (t + 1) / nt; p++)
+    for (long p = panels * t / nt; p < panels * (t + 1) / nt; p++) {
+#if ONE_ROW_WIDE
+        if (M == 1 && P == 64) {
+            panel_one_row(x, w + p * K * P, y + p * P, K, accumulate);
+            continue;
+        }
+#endif
         columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P, 1);
+    }
 }
 
 /* y (+)= x @ w on `threads` threads (lmq_gemm_share each). Row strides ldx, ldw, ldy in elements; the last
