@@ -164,10 +164,11 @@ def build_error(march: str = "native", directory: Path | None = None) -> str | N
 
 
 def gemm_shape(kernels: ctypes.CDLL) -> dict[str, int]:
-    """The GEMM's blocking in a built library: vector lanes, rows and vectors per register block, registers."""
-    out = (ctypes.c_int * 4)()
+    """The GEMM's blocking in a built library: vector lanes, rows and vectors per register block, registers, and
+    the block over panels at more than 4 rows (cpu_gemm.c)."""
+    out = (ctypes.c_int * 6)()
     kernels.lmq_gemm_shape(out)
-    return dict(zip(("lanes", "rows", "vectors", "registers"), out))
+    return dict(zip(("lanes", "rows", "vectors", "registers", "rows_many", "vectors_many"), out))
 
 
 def _load() -> ctypes.CDLL | None:

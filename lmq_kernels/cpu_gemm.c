@@ -14,7 +14,8 @@
  * contiguous stream; at 1-512 rows 3-16% faster than the 8 x 2 it replaced, e.g. 576x3072 at 8 rows 140 ->
  * 163 GFLOP/s, at 208 rows 197 -> 204, two Zen 4 cores: benchmarks/RESULTS.md, twenty-first session),
  * AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
- * further passes over the same chunk's weights (from L1). (One 16-lane shape for all spilled on AVX2: 32
+ * further passes over the same chunk's weights (from L1). On AVX2, over panel-major weights, one row takes a
+ * whole 64-column panel as its block (panel_one_row) and more than 4 rows a 6 x 2 block (MR2 x NV2). (One 16-lane shape for all spilled on AVX2: 32
  * accumulators in 16 registers, up to 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at
  * build time (for measurements).
  *
@@ -39,6 +40,23 @@
 
 #include "cpu_simd.h"
 
+/* A second block for panel-major weights times more than FEW_ROWS rows: on AVX2 6 x 2 (12 accumulators, two
+ * weight vectors, a broadcast: 15 registers), which beats 4 x 3 from 5 rows on (the 16 columns a 64-column
+ * panel leaves after two 24-column blocks ran as 1-vector passes; 6 x 2 divides the panel): the 120 layer
+ * GEMMs over cold panels at 16 rows 20.8 -> 19.1 ms, at 64 67.2 -> 58.1, at 200 197 -> 169, while at 2-4
+ * rows 4 x 3 stays ahead by 9-17% (two Zen 5 cores, x86-64-v3 build; benchmarks/RESULTS.md, twenty-third
+ * session). Elsewhere the same block as FEW_ROWS and below. */
+#ifndef LMQ_GEMM_MR2
+#if LMQ_VL == 8 && !defined(LMQ_GEMM_MR) && !defined(LMQ_GEMM_NV)
+#define LMQ_GEMM_MR2 6
+#define LMQ_GEMM_NV2 2
+#else
+#define LMQ_GEMM_MR2 LMQ_GEMM_MR
+#define LMQ_GEMM_NV2 LMQ_GEMM_NV
+#endif
+#endif
+#define FEW_ROWS 4
+
 #ifndef LMQ_GEMM_MR
 #if LMQ_VREGS >= 32
 #define LMQ_GEMM_MR 6
@@ -57,6 +75,10 @@
 #define MR LMQ_GEMM_MR               /* rows per pass */
 #define NV LMQ_GEMM_NV               /* vectors of columns per register block */
 #define NB (NV * LMQ_VL)             /* output columns per register block */
+#define MR2 LMQ_GEMM_MR2             /* the same, over panels at more than FEW_ROWS rows */
+#define NV2 LMQ_GEMM_NV2
+#define MR_MAX (MR > MR2 ? MR : MR2)
+#define NV_MAX (NV > NV2 ? NV : NV2)
 #ifndef LMQ_GEMM_SERIAL_BELOW
 #define LMQ_GEMM_SERIAL_BELOW (1L << 16)   /* weights of fewer elements (256 KB) run on one thread */
 #endif
@@ -69,7 +91,7 @@
 static inline __attribute__((always_inline)) void block(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
         const int M, const int V, long K, long k_left, long n, int accumulate, int prefetch, long kc_rows) {
-    vf a[MR][NV];    /* fixed sizes (not M, V: a variable-length array would live on the stack) */
+    vf a[MR_MAX][NV_MAX];    /* fixed sizes (not M, V: a variable-length array would live on the stack) */
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++)
         _Pragma("GCC unroll 8")
@@ -78,7 +100,7 @@ static inline __attribute__((always_inline)) void block(
             else a[m][j] = (vf){0};
         }
     for (long k = 0; k < K; k++) {
-        vf wv[NV];
+        vf wv[NV_MAX];
         _Pragma("GCC unroll 8")
         for (int j = 0; j < V; j++) wv[j] = *(const vf *)(w + k * ldw + n + LMQ_VL * j);
         if (prefetch && k + kc_rows < k_left) {  /* the same columns a chunk further, into L2 */
@@ -98,48 +120,52 @@ static inline __attribute__((always_inline)) void block(
         for (int j = 0; j < V; j++) *(vf *)(y + m * ldy + n + LMQ_VL * j) = a[m][j];
 }
 
-#define PASS(R, V) case R: block(x + m0 * ldx, ldx, w, ldw, y + m0 * ldy, ldy, R, V, kc, k_left, n, acc, \
-                                 m0 == 0, kc_rows); break;
-#if MR == 8
+#define PASS(R, V) case R: if (R <= mr) block(x + m0 * ldx, ldx, w, ldw, y + m0 * ldy, ldy, R, V, kc, k_left, \
+                                                n, acc, m0 == 0, kc_rows); break;
+#if MR_MAX > 8 || (MR != 2 && MR != 4 && MR != 6 && MR != 8) || (MR2 != 2 && MR2 != 4 && MR2 != 6 && MR2 != 8)
+#error "LMQ_GEMM_MR and LMQ_GEMM_MR2 must be 2, 4, 6 or 8"
+#endif
+#if MR_MAX == 8
 #define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V) PASS(5, V) PASS(6, V) PASS(7, V) PASS(8, V)
-#elif MR == 6
+#elif MR_MAX == 6
 #define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V) PASS(5, V) PASS(6, V)
-#elif MR == 4
+#elif MR_MAX == 4
 #define PASSES(V) PASS(1, V) PASS(2, V) PASS(3, V) PASS(4, V)
-#elif MR == 2
-#define PASSES(V) PASS(1, V) PASS(2, V)
 #else
-#error "LMQ_GEMM_MR must be 2, 4, 6 or 8"
+#define PASSES(V) PASS(1, V) PASS(2, V)
 #endif
 
-/* One register block of columns at n (V vectors wide) for all M rows, passes of MR rows; the first pass
- * prefetches. */
+/* One register block of columns at n (V vectors wide) for all M rows, passes of mr rows; the first pass
+ * prefetches. mr and V are constants in each instance. */
 static inline __attribute__((always_inline)) void all_rows(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-        int M, const int V, long kc, long k_left, long n, int acc, long kc_rows) {
-    for (int m0 = 0; m0 < M; m0 += MR) {
-        switch (M - m0 < MR ? M - m0 : MR) { PASSES(V) }
+        int M, const int mr, const int V, long kc, long k_left, long n, int acc, long kc_rows) {
+    for (int m0 = 0; m0 < M; m0 += mr) {
+        switch (M - m0 < mr ? M - m0 : mr) { PASSES(V) }
     }
 }
 
-/* Columns [n0, n1) (whole register blocks), then [n1, n2) one vector at a time, in chunks of kc_rows weight
- * rows (the accumulators go back to y between chunks, so a chunk's rows are read as kc_rows sequential
- * streams across the columns). */
-static void panel(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-                  int M, long K, int accumulate, long n0, long n1, long n2, long kc_rows) {
+/* Columns [n0, n1) (whole register blocks of mr x nv), then [n1, n2) one vector at a time, in chunks of
+ * kc_rows weight rows (the accumulators go back to y between chunks, so a chunk's rows are read as kc_rows
+ * sequential streams across the columns). */
+static inline __attribute__((always_inline)) void panel(
+        const float *x, long ldx, const float *w, long ldw, float *y, long ldy, int M, long K, int accumulate,
+        long n0, long n1, long n2, long kc_rows, const int mr, const int nv) {
     for (long k0 = 0; k0 < K; k0 += kc_rows) {
         const long kc = K - k0 < kc_rows ? K - k0 : kc_rows, k_left = K - k0;
         const float *wk = w + k0 * ldw, *xk = x + k0;
         const int acc = accumulate || k0 > 0;
-        for (long n = n0; n < n1; n += NB) all_rows(xk, ldx, wk, ldw, y, ldy, M, NV, kc, k_left, n, acc, kc_rows);
-        for (long n = n1; n < n2; n += LMQ_VL) all_rows(xk, ldx, wk, ldw, y, ldy, M, 1, kc, k_left, n, acc, kc_rows);
+        for (long n = n0; n < n1; n += nv * LMQ_VL)
+            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, nv, kc, k_left, n, acc, kc_rows);
+        for (long n = n1; n < n2; n += LMQ_VL) all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, 1, kc, k_left, n, acc, kc_rows);
     }
 }
 
-/* A thread's columns [n0, n1) (whole blocks) and its vector tail up to n2, in panels (see the top).
+/* A thread's columns [n0, n1) (whole blocks of mr x nv) and its vector tail up to n2, in panels (see the top).
  * `contiguous`: the weight is one panel of a panel-major copy (its rows ldw = P apart, one stream). */
-static void columns(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-                    int M, long K, int accumulate, long n0, long n1, long n2, int contiguous) {
+static inline __attribute__((always_inline)) void columns_of(
+        const float *x, long ldx, const float *w, long ldw, float *y, long ldy, int M, long K, int accumulate,
+        long n0, long n1, long n2, int contiguous, const int mr, const int nv) {
     /* weight rows whose stride is a multiple of 4 KB share their L1 sets (and of 64 KB their L2 sets): a
      * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes.
      * A panel's chunk of 64 rows is 16 KB of one stream: over 5+ rows it beats 16 (the accumulators go back
@@ -149,12 +175,25 @@ static void columns(const float *x, long ldx, const float *w, long ldw, float *y
      * -> 7.4-7.6 (2 threads, Zen 5; twenty-second session) */
     const int aliased = (ldw * (long)sizeof(float)) % 4096 == 0;
     const long kc_rows = contiguous ? 64 : M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
-    const long cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / NB * NB, step = cols > NB ? cols : NB;
+    const long nb = nv * LMQ_VL, cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / nb * nb;
+    const long step = cols > nb ? cols : nb;
     for (long p = n0; p < n1; p += step) {
         const long p1 = n1 - p < step ? n1 : p + step;
-        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows);
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows, mr, nv);
     }
-    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows);
+    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows, mr, nv);
+}
+
+/* columns_of in the block for up to FEW_ROWS rows (K-major weights: at every row count), and in the one for
+ * more rows over panels. */
+static void columns(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                    int M, long K, int accumulate, long n0, long n1, long n2, int contiguous) {
+    columns_of(x, ldx, w, ldw, y, ldy, M, K, accumulate, n0, n1, n2, contiguous, MR, NV);
+}
+
+static void columns_many(const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
+                         int M, long K, int accumulate, long n0, long n1, long n2) {
+    columns_of(x, ldx, w, ldw, y, ldy, M, K, accumulate, n0, n1, n2, 1, MR2, NV2);
 }
 
 /* Leftover columns (fewer than a vector), one scalar chain each, the same arithmetic as a vector lane. */
@@ -195,6 +234,7 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
 #else
 #define ONE_ROW_WIDE 0
 #endif
+#if ONE_ROW_WIDE
 static void panel_one_row(const float *x, const float *w, float *y, long K, int accumulate) {
     vf a[WIDE];
     _Pragma("GCC unroll 16")
@@ -212,6 +252,7 @@ static void panel_one_row(const float *x, const float *w, float *y, long K, int 
     _Pragma("GCC unroll 16")
     for (int j = 0; j < WIDE; j++) *(vf *)(y + LMQ_VL * j) = a[j];
 }
+#endif
 
 /* Thread t of nt's share of y (+)= x @ w over panel-major weights: w holds N / P panels of P columns (a
  * multiple of NB), each [K, P] contiguous ([N / P][K][P]); a thread takes a contiguous range of panels, so
@@ -232,7 +273,11 @@ void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, flo
             continue;
         }
 #endif
-        columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P, 1);
+        if (M > FEW_ROWS && (MR2 != MR || NV2 != NV))
+            columns_many(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0,
+                         P / (NV2 * LMQ_VL) * NV2 * LMQ_VL, P);
+        else
+            columns(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0, P / NB * NB, P, 1);
     }
 }
 
@@ -254,10 +299,13 @@ void lmq_small_m_gemm_panels(const float *x, long ldx, const float *w, long P, f
     lmq_gemm_panels_share(x, ldx, w, P, y, ldy, M, K, N, accumulate, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* The blocking this library was built with: {lanes, MR, NV, vector registers} (for tests and benchmarks). */
+/* The blocking this library was built with: {lanes, MR, NV, vector registers, MR2, NV2} (for tests and
+ * benchmarks). */
 void lmq_gemm_shape(int *out) {
     out[0] = LMQ_VL;
     out[1] = MR;
     out[2] = NV;
     out[3] = LMQ_VREGS;
+    out[4] = MR2;
+    out[5] = NV2;
 }

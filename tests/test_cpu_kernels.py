@@ -70,13 +70,15 @@ def test_the_avx512_variant_compiles():
 
 
 def test_the_blocking_fits_the_target(kernels, request):
-    """8-lane vectors and 4 x 3 accumulators (12 of 16 registers) for AVX2, 16 lanes and 6 x 4 for AVX-512,
-    4 lanes for the portable build: accumulators, weight vectors and a broadcast fit the registers."""
+    """8-lane vectors and 4 x 3 accumulators (12 of 16 registers) for AVX2, 6 x 2 over panels past 4 rows, 16
+    lanes and 6 x 4 for AVX-512, 4 lanes for the portable build: accumulators, weight vectors and a broadcast
+    fit the registers."""
     shape = cpu.gemm_shape(kernels)
     assert shape["rows"] * shape["vectors"] + shape["vectors"] + 1 <= shape["registers"]
-    want = {"x86-64-v3": {"lanes": 8, "rows": 4, "vectors": 3, "registers": 16},
-            "x86-64-v4": {"lanes": 16, "rows": 6, "vectors": 4, "registers": 32},
-            "x86-64": {"lanes": 4, "rows": 4, "vectors": 3, "registers": 16}}
+    assert shape["rows_many"] * shape["vectors_many"] + shape["vectors_many"] + 1 <= shape["registers"]
+    want = {"x86-64-v3": {"lanes": 8, "rows": 4, "vectors": 3, "registers": 16, "rows_many": 6, "vectors_many": 2},
+            "x86-64-v4": {"lanes": 16, "rows": 6, "vectors": 4, "registers": 32, "rows_many": 6, "vectors_many": 4},
+            "x86-64": {"lanes": 4, "rows": 4, "vectors": 3, "registers": 16, "rows_many": 4, "vectors_many": 3}}
     want = want.get(request.node.callspec.params["kernels"])
     assert want is None or shape == want
 
