@@ -15,9 +15,9 @@
  * 163 GFLOP/s, at 208 rows 197 -> 204, two Zen 4 cores: benchmarks/RESULTS.md, twenty-first session),
  * AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
  * further passes over the same chunk's weights (from L1). On AVX2, over panel-major weights, one row takes a
- * whole 64-column panel as its block (panel_one_row) and more than 4 rows a 6 x 2 block (MR2 x NV2). (One 16-lane shape for all spilled on AVX2: 32
- * accumulators in 16 registers, up to 15x slower than torch.mm.) LMQ_GEMM_MR / LMQ_GEMM_NV override it at
- * build time (for measurements).
+ * whole 64-column panel as its block (panel_one_row) and more than 4 rows a 6 x 2 block (MR2 x NV2). (One
+ * 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to 15x slower than torch.mm.)
+ * LMQ_GEMM_MR / LMQ_GEMM_NV (and LMQ_GEMM_MR2 / LMQ_GEMM_NV2) override them at build time (for measurements).
  *
  * Chunks and panels: a chunk of K-major weights is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (the
  * accumulators go back to y between chunks: more rows of x amortise that over longer chunks); a panel of a
@@ -157,7 +157,8 @@ static inline __attribute__((always_inline)) void panel(
         const int acc = accumulate || k0 > 0;
         for (long n = n0; n < n1; n += nv * LMQ_VL)
             all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, nv, kc, k_left, n, acc, kc_rows);
-        for (long n = n1; n < n2; n += LMQ_VL) all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, 1, kc, k_left, n, acc, kc_rows);
+        for (long n = n1; n < n2; n += LMQ_VL)
+            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, 1, kc, k_left, n, acc, kc_rows);
     }
 }
 
