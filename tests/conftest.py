@@ -13,6 +13,14 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
+@pytest.fixture(scope="session")
+def vocab(tokenizer):
+    """The default tokenizer's vocabulary index (the constraint tests': constraint_sim.py)."""
+    from lmq_backend.runtime.vocab import VocabIndex
+
+    return VocabIndex.for_tokenizer(tokenizer)
+
+
 def tiny_llama(vocab_size: int = 49152, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from models import FAMILIES, LLAMA_FAMILY, SCRIPT, differences, expected, run_engine, special_ids, standard_calls
+from models import FAMILIES, SCRIPT, differences, expected, run_engine, special_ids, standard_calls
 
 
 @torch.no_grad()

@@ -39,7 +39,6 @@ def hf_whole(model, ids):
 def run_prefill(model, rows, *, slot=0, end=None, capacity=64, slots=None, atol=1e-4, kv_atol=1e-5):
     """rows: (whole token list, cached count). The cached K/V come from HF's whole-row forward, the rest from
     the fused prefill; both are compared with HF's whole-row forward. Returns (fused, HF) logits [B, V]."""
-    dev = next(model.parameters()).device
     slots = slots or slot + len(rows)
     pool = make_pool(model, slots, capacity)
     end = end or max(len(ids) for ids, _ in rows) + 2

@@ -1,7 +1,6 @@
 """End-to-end queries on the embedded default model and on tiny random models."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
