@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as W  # noqa: E402
 
 import lmq_backend as lmq  # noqa: E402
-from lmq_kernels import cpu  # noqa: E402
 
 CHATS = 8
 
@@ -170,7 +169,7 @@ def main() -> None:
     backend = backend_for(args)
     print(f"torch {torch.__version__}, {args.device}, {args.random or args.model}, {args.dtype}, "
           f"fused decode: {backend.runner.fused}"
-          + (f", CPU ISA {cpu.isa()} (kernels -march={cpu.target()})" if args.device == "cpu" else ""))
+          + (f", CPU {W.cpu_host()}" if args.device == "cpu" else ""))
     w1(backend, args.calls)
     w2(backend, args.rounds)
 

@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,20 +34,21 @@ from pathlib import Path
 
 import torch
 
-from lmq_kernels import cpu, cpu_benches
-from lmq_kernels.cpu_build import FLAGS, HEADERS, SOURCES, build_library, compiler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads as W  # noqa: E402
+
+from lmq_kernels import cpu, cpu_benches  # noqa: E402
+from lmq_kernels.cpu_build import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
 
 
 def host_lines() -> list[str]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
     kernels = cpu.build()
     shape = cpu.gemm_shape(kernels) if kernels is not None else cpu.build_error()
     return [f"date {datetime.datetime.now().isoformat(timespec='minutes')}, command: {' '.join(sys.argv)}",
-            f"host {model}, {os.cpu_count()} CPUs, ISA {cpu.isa()} (-march={cpu.target()}), load average "
+            f"host {W.cpu_host()}, load average "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
             f"GEMM blocking {shape}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"LMQ_CPU_KERNELS={os.environ.get('LMQ_CPU_KERNELS', 'auto')}"]
@@ -183,11 +183,8 @@ def bench_decode(rounds: int, before_lib=None) -> None:
     import lmq_backend as lmq
     from lmq_backend.backend.default_model import default_model_dir
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from workloads import w1_reviews, w1_shots
-
     backend = lmq.HFBackend(str(default_model_dir()), name="bench-cpu")
-    shots, reviews = w1_shots(16), w1_reviews(8)
+    shots, reviews = W.w1_shots(16), W.w1_reviews(8)
     q = lmq.Query('"{shots}Review: {review}\\nA reply to this review:[R]" where len(TOKENS(R)) < 33', model=backend)
     steps: list = []
     backend.on_step(steps.append)

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import ctypes
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,7 +40,6 @@ import workloads as W  # noqa: E402
 import lmq_backend as lmq  # noqa: E402
 from lmq_backend.backend.default_model import gguf_path  # noqa: E402
 from lmq_backend.paths import cache_dir  # noqa: E402
-from lmq_kernels import cpu  # noqa: E402
 
 
 def f32_gguf() -> Path:
@@ -200,12 +198,9 @@ def compare(pair: str, ours: Lmq, theirs: LlamaCpp, args, shots: str) -> None:
 
 
 def host_line(args) -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
     import llama_cpp
 
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, "
-            f"ISA {cpu.isa()} (-march={cpu.target()}); "
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {W.cpu_host()}; "
             f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}, {args.threads} threads; load "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; command: {' '.join(sys.argv)}")
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,20 +32,20 @@ from pathlib import Path
 
 import torch
 
-from lmq_backend.engine.quantize import QuantizedLinear
-from lmq_kernels import cpu
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads as W  # noqa: E402
+
+from lmq_backend.engine.quantize import QuantizedLinear  # noqa: E402
+from lmq_kernels import cpu  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 192), (576, 49152)]
 RING_BYTES = 256 * 2**20  # more than any last-level cache here
 
 
 def host_line() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}, {os.cpu_count()} CPUs, ISA "
-            f"{cpu.isa()} (-march={cpu.target()}); torch {torch.__version__}, {torch.get_num_threads()} threads; load {load}; "
-            f"command: {' '.join(sys.argv)}")
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {W.cpu_host()}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads; load {load}; command: {' '.join(sys.argv)}")
 
 
 def sides(k: int, n: int, rows: int) -> dict[str, list]:

@@ -7,7 +7,10 @@ W2: a 6-turn chat whose history grows from ~380 to ~660 tokens, with at most 24 
 from __future__ import annotations
 
 import copy
+import os
+import platform
 import random
+from pathlib import Path
 
 SUBJECTS = ["The pasta", "Our waiter", "The hotel room", "The concert", "This phone", "The delivery",
             "The coffee", "The museum tour", "The rental car", "The laptop", "The dessert", "The staff"]
@@ -21,6 +24,19 @@ MEH = ["was fine, nothing special, about what you would expect for the price",
        "did the job, although some parts were better than others overall",
        "was okay on the whole; I have no strong feelings about it either way"]
 LABELS = [("positive", GOOD), ("negative", BAD), ("neutral", MEH)]
+
+def cpu_host() -> str:
+    """The CPU a benchmark ran on, as its header names it: model, CPU count, the instruction set and the target
+    lmq's kernels were built for (`LMQ_CPU_MARCH`: another than the host's own is measured as that target)."""
+    from lmq_kernels import cpu
+
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    except OSError:
+        model = platform.processor()
+    return f"{model}, {os.cpu_count()} CPUs, ISA {cpu.isa()} (-march={cpu.target()})"
+
 
 W1_QUERY = '''argmax
     "{shots}Review: {review}\\nSentiment:[CLS]"
