@@ -274,7 +274,7 @@ void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, flo
             continue;
         }
 #endif
-        if (M > FEW_ROWS && (MR2 != MR || NV2 != NV))
+        if (M > FEW_ROWS)
             columns_many(x, ldx, w + p * K * P, P, y + p * P, ldy, M, K, accumulate, 0,
                          P / (NV2 * LMQ_VL) * NV2 * LMQ_VL, P);
         else
