@@ -7,6 +7,7 @@
     prefill_attention(q, k, v, table, start, new, end, out, scale)   T new tokens a row, causal GQA
                                                                      (cpu_prefill_attention.c)
     rmsnorm(x, w, eps, out), silu_mul(gu, out), rope_append(...) -> bool   the step's small ops (cpu_ops.c)
+    masked_argmax(logits, masks, out) -> bool                        a step's greedy picks (cpu_picks.c)
 
 `small_m_mm`: `x` [M, K] and `out` [M, N] float32 with contiguous rows, `w_t` [K, N] float32 contiguous (a
 Linear weight stored K-major, transposed). `attention`: float32 q [B, Hq, D], k and v [slots, Hkv, D] (one layer
@@ -52,8 +53,8 @@ from .cpu_build import build_library, isa
 from .cpu_calibration import Bench, Calibration
 
 __all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "attention", "prefill_attention",
-           "rmsnorm", "silu_mul", "rope_append", "available", "build", "build_error", "use", "mode", "choose",
-           "choices", "configure", "isa", "target", "gemm_shape"]
+           "rmsnorm", "silu_mul", "rope_append", "masked_argmax", "available", "build", "build_error", "use", "mode",
+           "choose", "choices", "configure", "isa", "target", "gemm_shape"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 
@@ -126,6 +127,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmq_dequant_i8.argtypes = [ptr, ptr, ptr, c_long, c_long, c_int]
     lib.lmq_dequant_i4.argtypes = [ptr, ptr, ptr, ptr, c_long, c_long, c_int]
     lib.lmq_dequant_i8.restype = lib.lmq_dequant_i4.restype = None
+    lib.lmq_masked_argmax.argtypes = [ptr, c_long, ptr, c_int, c_long, ptr, c_int]
+    lib.lmq_masked_argmax.restype = None
     lib.lmq_gemm_shape.argtypes = [ptr]
     lib.lmq_gemm_shape.restype = None
     return lib
@@ -360,7 +363,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
     return True
 
 
-# The attention and quantized ops live in cpu_attention.py and cpu_quantized.py (imported last: they read this
-# module's loader and calibration)
+# The attention, pick and quantized ops live in cpu_attention.py, cpu_picks.py and cpu_quantized.py (imported
+# last: they read this module's loader and calibration)
 from .cpu_attention import HEAD_DIMS as ATTENTION_HEAD_DIMS, attention, prefill_attention  # noqa: E402
+from .cpu_picks import masked_argmax  # noqa: E402
 from .cpu_quantized import dequantize, layout_ok as quantized_layout_ok, quantized_mm  # noqa: E402

@@ -205,3 +205,14 @@ def qgemm(lmq, dequantize, m: int, k: int, n: int, int4: bool):
         lmq(x, q[i], scale[i], z(i), out)
 
     return lmq_side, torch_side
+
+
+def masked_argmax(lmq, r: int, v: int, masked: bool):
+    """The greedy picks of a step's r rows of v logits, each under its own mask (or none): lmq(logits, masks,
+    out) vs the engine's torch form (`engine/picks.py`: the masks stacked, where, then argmax)."""
+    logits, out = torch.randn(r, v), torch.empty(r, dtype=torch.long)
+    if not masked:
+        return (lambda: lmq(logits, None, out), lambda: torch.argmax(logits, -1, out=out))
+    masks = list(torch.rand(r, v) < 0.5)
+    return (lambda: lmq(logits, masks, out),
+            lambda: torch.argmax(torch.where(torch.stack(masks), logits, float("-inf")), -1, out=out))

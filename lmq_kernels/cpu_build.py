@@ -1,5 +1,5 @@
 """Building lmq's C kernels (cpu_gemm.c, cpu_attention.c, cpu_prefill_attention.c, cpu_ops.c,
-cpu_qgemm.c, cpu_step.c) into one shared library for a target.
+cpu_qgemm.c, cpu_step.c, cpu_picks.c) into one shared library for a target.
 
     build_library(directory, march="native") -> Built(path, key, error)
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_prefill_attention.c", "cpu_ops.c",
-                                    "cpu_qgemm.c", "cpu_step.c")]
+                                    "cpu_qgemm.c", "cpu_step.c", "cpu_picks.c")]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 

@@ -1,5 +1,6 @@
 """`masked_argmax`, the one greedy pick of the runtime (`Greedy`), the runner's prefill picks and the fused
-step's device picks: the first maximal allowed logit, alone or broadcast over masks and rows. `sample`, the one
+step's device picks: the first maximal allowed logit, alone or broadcast over masks and rows, on a CPU through
+lmq's kernel (`lmq_kernels.cpu.masked_argmax`, each variant this host runs) or torch's. `sample`, the one
 sampled pick (`Sampling` and the steps that sample all their rows at once): a row's token is its own, whatever
 rows share the call. `choose`, a beam's next choices, the same way."""
 from __future__ import annotations
@@ -7,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmq_backend.engine.picks import Choices, Draw, choose, masked_argmax, sample
+from lmq_backend.engine.picks import Choices, Draw, choose, greedy, masked_argmax, sample
 from lmq_backend.runtime.decoders import Greedy, Sampling
+from lmq_kernels import cpu
+from test_cpu_kernels import TARGETS  # noqa: F401 (the variants `kernels` runs)
+from test_cpu_kernels import kernels  # noqa: F401 (fixture)
 
 
 def test_ties_go_to_the_first_maximal_allowed_logit():
@@ -29,6 +33,38 @@ def test_masks_by_rows_is_each_pick_alone():
         for b in range(5):
             assert int(table[k, b]) == Greedy().select(logits[b], masks[k])
             assert int(table[k, b]) == int(torch.where(masks[k], logits[b], float("-inf")).argmax())
+
+
+@pytest.mark.parametrize("v", [49152, 1003, 7])
+def test_the_kernels_greedy_pick_is_torchs(kernels, v):
+    """lmq's pick against torch's where + argmax: ties (the first maximal logit), -inf logits, a mask allowing
+    nothing (0), rows without a mask, rows sharing one, a vocabulary that is not a whole number of vectors;
+    a row's pick is its own, on one thread or two."""
+    gen = torch.Generator().manual_seed(v)
+    for r in (1, 2, 9, 64):
+        logits = torch.randint(0, 5, (r, v), generator=gen).float() if r % 2 else torch.randn(r, v, generator=gen)
+        logits[0, : v // 2] = float("-inf")
+        shared = torch.rand(v, generator=gen) < 0.01
+        masks = [None if i % 4 == 3 else shared if i % 4 == 2 else torch.rand(v, generator=gen) < 0.5
+                 for i in range(r)]
+        if r > 1:
+            masks[1] = torch.zeros(v, dtype=torch.bool)
+        want = [int(torch.where(m, row, float("-inf")).argmax()) if m is not None else int(row.argmax())
+                for row, m in zip(logits, masks)]
+        out = torch.empty(r, dtype=torch.long)
+        assert cpu.masked_argmax(logits, masks, out) and out.tolist() == want
+        assert cpu.masked_argmax(logits, None, out) and out.tolist() == logits.argmax(-1).tolist()
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert cpu.masked_argmax(logits, masks, out) and out.tolist() == want
+        finally:
+            torch.set_num_threads(threads)
+        assert greedy(logits, masks).tolist() == want
+    # what it does not take: torch's form runs
+    assert not cpu.masked_argmax(logits.double(), masks, out)
+    assert not cpu.masked_argmax(logits[:, :-1], masks, out)
+    assert not cpu.masked_argmax(logits, masks[:-1], out)
 
 
 def test_a_rows_sample_does_not_depend_on_the_rows_beside_it():

@@ -17,10 +17,28 @@ def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.T
     pick under each of K masks), or None for every token; moved to the logits' device. Ties go to the
     first maximal logit (torch.argmax), so the pick is exact and the same on every device. Returns [...]
     (int64, on the logits' device)."""
+    if logits.device.type == "cpu" and logits.dim() <= 2 and (allowed is None or allowed.dim() == 1):
+        rows = logits.reshape(-1, logits.shape[-1])
+        return greedy(rows, [allowed] * len(rows)).reshape(logits.shape[:-1])
     if allowed is not None:
         allowed = allowed.to(logits.device, non_blocking=logits.device.type == "cuda")
         logits = torch.where(allowed, logits, float("-inf"))
     return logits.argmax(-1)
+
+
+def greedy(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """Row i's greedy pick of `logits` [R, V] under masks[i] (bool [V], None: every token): `masked_argmax`'s
+    pick, for all rows at once. On a CPU lmq's kernel (`lmq_kernels.cpu.masked_argmax`: one pass a row, each
+    mask read where it lies) where calibration chose it; else one where and one argmax. int64 [R] on the
+    logits' device."""
+    z = logits.float()
+    if z.device.type == "cpu":
+        from lmq_kernels import cpu  # (not at start-up)
+
+        out = torch.empty(len(masks), dtype=torch.long)
+        if cpu.masked_argmax(z, None if all(m is None for m in masks) else masks, out):
+            return out
+    return _masked(z, masks).argmax(-1)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -66,10 +84,11 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
             picks[idx] = sample_rows(part, table, index, temperature[idx, 0], u[idx, 0])
         else:
             picks[idx] = inverse_cdf(_masked(part.float(), masks), temperature[idx], u[idx], top_p)
-    greedy = [i for i, d in enumerate(draws) if d.temperature <= 0]
-    if greedy:
-        idx = torch.tensor(greedy, device=device)
-        picks[idx] = _masked(logits[idx].float(), [draws[i].allowed for i in greedy]).argmax(-1)
+    argmax_rows = [i for i, d in enumerate(draws) if d.temperature <= 0]
+    if argmax_rows:
+        idx = torch.tensor(argmax_rows, device=device)
+        part = logits if len(argmax_rows) == r else logits[idx]
+        picks[idx] = greedy(part, [draws[i].allowed for i in argmax_rows])
     return picks
 
 
@@ -129,6 +148,10 @@ def _mask_table(masks: list[torch.Tensor | None], v: int, device: torch.device
     rows = [index[id(m)] for m in masks]
     if all(m is None for m in unique):
         return None, [0] * len(rows)
+    far = [j for j, m in enumerate(unique) if m is not None and m.device.type != device.type]
+    if len(far) > 1:  # the host's masks (a constraint's, one a row) in one copy, not one a mask
+        for j, m in zip(far, torch.stack([unique[j] for j in far]).to(device, non_blocking=True)):
+            unique[j] = m
     on = [torch.ones(v, dtype=torch.bool, device=device) if m is None else m.to(device, non_blocking=True)
           for m in unique]
     return torch.stack(on), rows
