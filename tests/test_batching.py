@@ -95,6 +95,31 @@ async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkey
     assert sum(calls) == 12 * 4 and max(calls) > 3  # 12 rows x 4 picks (the prefill's and three steps')
 
 
+async def test_a_step_picks_its_constrained_greedy_rows_at_once(make_backend, monkeypatch):
+    """Greedy rows under masks of their own (INT, REGEX, a list of choices) are picked by one
+    `ModelRunner.sample` a step with the step's other rows, never one `Greedy.select` a row; each query's
+    values are what it gets alone."""
+    from lmq_backend.engine.runner import ModelRunner
+    from lmq_backend.runtime.decoders import Greedy
+
+    backend = make_backend("llama")
+    q = lmq.compile('"Count {x}:[N] then[R] and[C]" where INT(N) and len(TOKENS(N)) < 4 and '
+                    'REGEX(R, r"[a-z]{2,9}") and C in [" one more", " two", " three of them"]', model=backend)
+    alone = {x: (await q(x=x)).variables for x in ("cats", "dogs", "rain", "tea", "a long list of things")}
+    calls = []
+    real = ModelRunner.sample
+
+    def spy(self, logits, draws):
+        calls.append(len(draws))
+        return real(self, logits, draws)
+
+    monkeypatch.setattr(ModelRunner, "sample", spy)
+    monkeypatch.setattr(Greedy, "select", lambda *a: pytest.fail("a constrained greedy pick made a row at a time"))
+    together = await asyncio.gather(*(q(x=x) for x in alone))
+    assert {x: r.variables for x, r in zip(alone, together)} == alone
+    assert max(calls) == len(alone)
+
+
 async def test_shared_new_prefix_is_prefilled_once(make_backend):
     backend = make_backend("llama")
     shots = "Example: the quick brown fox jumps over the lazy dog.\n" * 6

@@ -70,7 +70,12 @@ class HoleLoop:
             pick = b._extendable_on_device if allowed is None else torch.from_numpy(extendable)
         self.pick, self.can_end, self.extendable = pick, can_end, extendable
         # how the step may pick for the row: under a greedy mask of the device's, or by this draw
-        self.ahead = b._greedy_mask(pick) if self._greedy else self.sampler.draw(pick) if self._sampling else None
+        if self._greedy:  # under a mask of the device's, or the row's own: then a draw at temperature 0, which
+            # the step picks with its other rows' at once (`engine.picks.sample`), not a masked argmax a row
+            k = b._greedy_mask(pick)
+            self.ahead = k if k is not None else Draw(0.0, 1.0, 0.0, pick)
+        else:
+            self.ahead = self.sampler.draw(pick) if self._sampling else None
         return True
 
     def _pick(self, logits: torch.Tensor | None, i: int) -> tuple[int, int | Draw | None] | None:
