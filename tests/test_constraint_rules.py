@@ -7,6 +7,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
@@ -125,6 +126,26 @@ def test_regex_stopped_matcher(vocab):
     for b in (b"a", b"b"):
         assert s.advance(int(vocab.bytes_to_ids[b][0])) is None
     assert s.can_end() and not s.allowed().any()
+
+
+def test_every_state_starts_from_the_first_mask_computed_once(vocab, monkeypatch):
+    """The states of a REGEX start where its template matcher is: their first mask is the template's, computed
+    once a vocabulary and shared (read-only); after a token each computes its own."""
+    from lmq_backend.runtime.constraints import llg
+
+    hc = compiled(call("REGEX", "X", r"[a-c]{1,40}!"), vocab)
+    first = hc.start().allowed()
+    real, computed = llg._mask_of, []
+    monkeypatch.setattr(llg, "_mask_of", lambda m, v: computed.append(m) or real(m, v))
+    states = [hc.start() for _ in range(5)]
+    assert all(np.array_equal(s.allowed(), first) for s in states) and computed == []
+    fresh = llg._new_matcher(vocab, llg._llg_grammar("REGEX", r"[a-c]{1,40}!"), "REGEX", None)
+    assert np.array_equal(real(fresh, vocab), first) and first.any()
+    s = states[0]
+    s.advance(int(vocab.bytes_to_ids[b"a"][0]))
+    after = s.allowed()
+    assert len(computed) == 1 and after[int(vocab.bytes_to_ids[b"!"][0])]
+    assert np.array_equal(states[1].allowed(), first)  # the others did not move
 
 
 def test_bad_runtime_regex(vocab):
