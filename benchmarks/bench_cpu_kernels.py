@@ -9,13 +9,17 @@
    median of `--reps` calls.
 3. The calibration's choices for those classes (LMQ_CPU_KERNELS=auto: measured on first use, cached next to
    the library), and every other choice already in the cache file (the engine's small ops, attention).
-4. With `--decode`: decode steps of the default model (SmolLM2-135M fp32) through the engine, batch 1 and 8
+4. With `--picks`: a step's greedy picks over 49,152 tokens (SmolLM2's vocabulary) at 1, 8 and 256 rows,
+   every token allowed or each row under its own mask: lmq's kernel (`cpu.masked_argmax`) against the
+   engine's torch form (where, then argmax); ms, median of `--reps` calls, the sides alternating.
+5. With `--decode`: decode steps of the default model (SmolLM2-135M fp32) through the engine, batch 1 and 8
    concurrent queries (a ~450-token prompt each, 32 new tokens), with LMQ_CPU_KERNELS auto / 1 / 0 and,
    with `--before`, "before" (the older GEMM in this tree's library, every C kernel on, the GEMM at 2-8
    rows: the engine before calibration) alternating in one process for `--rounds` rounds; median ms per
    step (`on_step`), per round.
 
-Run:  python benchmarks/bench_cpu_kernels.py [--before REV] [--rows 1,2,4,8] [--decode [--no-gemm]] [--threads 2]
+Run:  python benchmarks/bench_cpu_kernels.py [--before REV] [--rows 1,2,4,8] [--picks] [--decode [--no-gemm]]
+          [--threads 2]
 """
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ def old_behaviour(lib):
 
 
 def bench_gemm(rows: list[int], reps: int, before) -> None:
-    lmq = cpu.build()
+    lmq = cpu.build(cpu.target())  # the engine's target (LMQ_CPU_MARCH)
     # one thread: the calling thread's CPU time (steady on a shared machine: time spent descheduled is not
     # counted, memory stalls are); more: wall time
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
@@ -154,6 +158,25 @@ def bench_gemm(rows: list[int], reps: int, before) -> None:
             print(f"{k:>5}x{n:<5} {m:>3} | {cell['lmq']} | {cell.get('before', '-'):>15} | {cell['torch']} | "
                   f"{best['torch'] / best['lmq']:9.2f} {ratio_b}", flush=True)
         del ring
+
+
+def bench_picks(reps: int) -> None:
+    lmq = cpu.build(cpu.target())  # the engine's target (LMQ_CPU_MARCH)
+    print("\ngreedy picks over 49,152 tokens, ms (median): lmq's kernel | torch's where + argmax | torch/lmq")
+    for rows in (1, 8, 256):
+        for masked in (False, True):
+            with cpu.use(lmq):
+                sides = cpu_benches.masked_argmax(cpu.masked_argmax, rows, 49152, masked)
+                times = ([], [])
+                for r in range(reps + 1):
+                    for side in (0, 1) if r % 2 == 0 else (1, 0):
+                        t0 = time.perf_counter()
+                        sides[side]()
+                        if r:  # the first round warms up
+                            times[side].append(time.perf_counter() - t0)
+            lmq_ms, torch_ms = (statistics.median(t) * 1e3 for t in times)
+            print(f"  {rows:>3} rows, {'own masks' if masked else 'no mask  '} | {lmq_ms:7.3f} | {torch_ms:7.3f} | "
+                  f"{torch_ms / lmq_ms:5.1f}", flush=True)
 
 
 def calibrate(rows: list[int]) -> None:
@@ -216,6 +239,7 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--picks", action="store_true", help="the greedy picks' kernel against torch's")
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table and its calibration")
     ap.add_argument("--rounds", type=int, default=3)
@@ -231,6 +255,8 @@ def main():
     if not args.no_gemm:
         bench_gemm(rows, args.reps, old_gemm(args.before) if args.before else None)
         calibrate(rows)
+    if args.picks:
+        bench_picks(args.reps)
     if args.decode:
         bench_decode(args.rounds, old_library(args.before) if args.before else None)
 

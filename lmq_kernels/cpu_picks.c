@@ -13,34 +13,51 @@
 
 #include "cpu_simd.h"
 
-typedef unsigned char vbytes __attribute__((vector_size(LMQ_VL)));
+typedef unsigned char vbytes __attribute__((vector_size(LMQ_VL), aligned(1)));
+
+#define ACC 4   /* independent (value, index) accumulators: the compare-and-select chains overlap */
+
+/* Lanes where the mask bytes at m are not 0: -1, else 0 (widened in one instruction where the target has it:
+ * GCC turns the generic conversion into a byte at a time). */
+static inline vfi keep_of(const unsigned char *m) {
+#if defined(__AVX512F__) && LMQ_VL == 16
+    return (vfi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m)) != 0;
+#elif defined(__AVX2__) && LMQ_VL == 8
+    return (vfi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)) != 0;
+#else
+    return __builtin_convertvector(*(const vbytes *)m, vfi) != 0;
+#endif
+}
 
 static long pick_row(const float *x, const unsigned char *m, long V) {
     const vf neg = (vf){0} - __builtin_inff();
-    vf best = neg;
-    vfi at = (vfi){0}, lane;
+    vf best[ACC];
+    vfi at[ACC], lane;
+    for (int a = 0; a < ACC; a++) best[a] = neg, at[a] = (vfi){0};
     for (int j = 0; j < LMQ_VL; j++) lane[j] = j;
     long v = 0;
-    for (; v + LMQ_VL <= V; v += LMQ_VL) {
-        vf xv;
-        __builtin_memcpy(&xv, x + v, sizeof(xv));
-        if (m) {
-            vbytes mb;
-            __builtin_memcpy(&mb, m + v, sizeof(mb));
-            const vfi keep = __builtin_convertvector(mb, vfi) != 0;
-            xv = (vf)(((vfi)xv & keep) | ((vfi)neg & ~keep));
+    for (; v + ACC * LMQ_VL <= V; v += ACC * LMQ_VL)
+        for (int a = 0; a < ACC; a++) {
+            const long o = v + a * LMQ_VL;
+            vf xv = *(const vf *)(x + o);
+            if (m) {
+                const vfi keep = keep_of(m + o);
+                xv = (vf)(((vfi)xv & keep) | ((vfi)neg & ~keep));
+            }
+            const vfi gt = xv > best[a];
+            best[a] = (vf)(((vfi)xv & gt) | ((vfi)best[a] & ~gt));
+            at[a] = ((lane + (int)o) & gt) | (at[a] & ~gt);
         }
-        const vfi gt = xv > best;
-        best = (vf)(((vfi)xv & gt) | ((vfi)best & ~gt));
-        at = ((lane + (int)v) & gt) | (at & ~gt);
-    }
+    /* the largest of every accumulator's lanes, at its smallest index (each lane holds the first maximal
+     * value of the indices it saw) */
     float top = -__builtin_inff();
     long idx = 0;
     int found = 0;
-    for (int j = 0; j < LMQ_VL; j++)   /* the largest of the lanes, at its smallest index */
-        if (best[j] > top || (found && best[j] == top && at[j] < idx)) {
-            top = best[j], idx = at[j], found = 1;
-        }
+    for (int a = 0; a < ACC; a++)
+        for (int j = 0; j < LMQ_VL; j++)
+            if (best[a][j] > top || (found && best[a][j] == top && at[a][j] < idx)) {
+                top = best[a][j], idx = at[a][j], found = 1;
+            }
     for (; v < V; v++)                  /* the tail: later indices, so only a strictly larger value wins */
         if ((!m || m[v]) && x[v] > top) top = x[v], idx = v;
     return idx;
