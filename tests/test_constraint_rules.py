@@ -148,6 +148,29 @@ def test_every_state_starts_from_the_first_mask_computed_once(vocab, monkeypatch
     assert np.array_equal(states[1].allowed(), first)  # the others did not move
 
 
+@pytest.mark.parametrize("kind, arg", [("REGEX", r"[a-c ]{1,30}!"), ("GRAMMAR", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]+/'),
+                                       ("JSON", {"type": "object", "properties": {"a": {"type": "string"}}})])
+def test_allows_is_the_mask_at_that_token(vocab, kind, arg):
+    """`allows(t)` (llguidance: one token checked, no mask) is `allowed()[t]`, alone and under `and` (the only
+    place llguidance's constraints may be), on random walks; two states advanced alike, one asked only
+    `allows`, the other only `allowed`."""
+    rng = random.Random(3)
+    for c in (call(kind, "X", arg), AND(call(kind, "X", arg), contains("z"))):
+        hc = compiled(c, vocab)
+        for _ in range(3):
+            checked, masked = hc.start(), hc.start()
+            for _ in range(12):
+                mask = masked.allowed()
+                options = np.flatnonzero(mask)
+                tokens = [t for t in rng.sample(range(vocab.size), 150) + list(options[:60]) if vocab.nonspecial[t]]
+                assert [checked.allows(int(t)) for t in tokens] == [bool(mask[t]) for t in tokens]
+                if not len(options):
+                    break
+                t = int(rng.choice(options))
+                if checked.advance(t) is not None or masked.advance(t) is not None:
+                    break
+
+
 def test_bad_runtime_regex(vocab):
     with pytest.raises(LMQRuntimeError):
         compiled(call("REGEX", "X", "(["), vocab)

@@ -6,7 +6,9 @@ schema turns llguidance's flexible whitespace off (`x-guidance`), since a random
 pick whitespace forever. The default model writes ordinary JSON under an ordinary schema."""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 
 import lark
 import pytest
@@ -60,6 +62,41 @@ async def test_grammar_values_are_sentences_of_the_grammar(make_backend, kind):
         parser.parse(r["X"])  # raises if not a sentence
         assert r.prompt.startswith("Greeting:" + r["X"] + " Reply:")
     assert len({r["X"] for r in results}) >= 4
+
+
+@pytest.mark.parametrize("model", ["default", "tiny"])
+async def test_checked_picks_are_the_picks_under_the_mask(model, request, monkeypatch):
+    """A greedy REGEX / JSON / GRAMMAR hole checks the step's unconstrained pick against its constraint before
+    it computes a mask (`HoleLoop._checked`): the values equal those of picks under the whole mask (the checks
+    off), queries batched; on the default model most picks need no mask, on a random model most do."""
+    from lmq_backend.runtime.constraints import llg
+
+    backend = request.getfixturevalue("default_backend" if model == "default" else "make_backend")
+    if model == "tiny":
+        backend = backend("llama")
+    person = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}}}
+    source = ('"A sentence about {x}:[A]" where REGEX(A, r"[A-Za-z ,.\'-]{1,80}") and len(TOKENS(A)) < 12\n'
+              f'"\\nA person who likes it, as JSON with a name and an age:\\n[J]" where JSON(J, {json.dumps(person)!r})'
+              ' and len(TOKENS(J)) < 30\n'
+              f'"\\nA greeting:[G]" where GRAMMAR(G, {GREETING!r}) and len(TOKENS(G)) < 8')
+    topics = ["a cat", "the sea", "fresh bread", "winter"]
+    masks, real = [], llg._mask_of
+    monkeypatch.setattr(llg, "_mask_of", lambda m, v: masks.append(1) or real(m, v))
+
+    async def run():
+        masks.clear()
+        q = lmq.compile(source, model=backend)
+        return [r.variables for r in await asyncio.gather(*(q(x=x) for x in topics))], len(masks)
+
+    checked, checked_masks = await run()
+    monkeypatch.setattr(llg._LLGNode, "checks_tokens", False)
+    eager, eager_masks = await run()
+    assert checked == eager
+    assert eager_masks > 40
+    if model == "default":  # a real model's pick mostly keeps to the constraint
+        assert checked_masks < eager_masks / 2, (checked_masks, eager_masks)
+        assert all(re.fullmatch(r"[A-Za-z ,.'-]{1,80}", v["A"]) for v in checked)
 
 
 @pytest.mark.slow

@@ -41,6 +41,14 @@ def greedy(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tens
     return _masked(z, masks).argmax(-1)
 
 
+class Checked(int):
+    """A row's `ahead` (see `ModelRunner.decode`): one of the runner's greedy masks, as an int is, whose pick the
+    host then checks against the row's own constraint and, where it fails, makes again from the step's
+    logits: a step with such a row keeps its logits."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Draw:
     """One sampled pick, settled before its logits exist: a token of softmax(logits / temperature) over the

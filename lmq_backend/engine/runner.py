@@ -195,7 +195,7 @@ class ModelRunner:
             return None, None
         masks, draws = list(ahead), {}
         for i, a in enumerate(ahead):
-            if a.__class__ is not int and a is not None:
+            if isinstance(a, Draw):
                 pick = self._device_draw(a)
                 masks[i] = None if pick is None else pick[0]
                 if pick is not None:

@@ -8,6 +8,7 @@ What the backend calls, per token of the value (`HFBackend.generate`):
                                               # None: every non-special token. Special tokens and EOS are
                                               # never in a mask: ending is what can_end() says.
         end_ok = state.can_end()              # the value satisfies the constraint now (the hole may end)
+        ok = state.allows(token)              # allowed()[token], without the whole mask where cheaper
         stop = state.advance(token)           # append a token from allowed(); a `Stop` when a stop rule
                                               # (STOPS_AT, STOPS_BEFORE, len(TOKENS(X)) < n) fired
     value = stop.text if stop else state.text
@@ -36,6 +37,7 @@ class HoleConstraint:
     def __init__(self, node: _Node, vocab: VocabIndex, stops: list[_StopString], max_tokens: int | None):
         self.node, self.vocab, self.stops, self.max_tokens = node, vocab, stops, max_tokens
         self.unconstrained = isinstance(node, _FreeNode) and not stops and max_tokens is None
+        self.checks_tokens = node.checks_tokens  # see `HoleState.allows`
         # advance()'s check of a token, per token: bytes index as ints, ~5x faster than the numpy array
         self._special = vocab.special.astype(np.uint8).tobytes()
 
@@ -81,6 +83,17 @@ class HoleState:
             self._allowed = mask
         mask = self._allowed
         return None if mask is None else mask.copy()
+
+    def allows(self, token_id: int) -> bool:
+        """Whether allowed() holds the (non-special) token, without computing the mask where the constraint
+        can tell more cheaply (`checks_tokens`: llguidance's, one token ~0.6 us against 0.01-0.44 ms a mask)."""
+        if self._allowed is False:
+            limit = self.hc.max_tokens
+            if self._stopped is None and (limit is None or len(self.ctx.tokens) < limit):
+                return self.root.allows(token_id)
+            self.allowed()
+        mask = self._allowed
+        return mask is None or bool(mask[token_id])
 
     def can_end(self) -> bool:
         return self.root.can_end()

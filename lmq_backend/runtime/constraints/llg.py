@@ -35,6 +35,8 @@ def _llg_validate(kind: str, arg: str, c: ast.Call) -> None:
 
 
 class _LLGNode(_Node):
+    checks_tokens = True  # a mask: 0.01-0.44 ms of the host's time; a token: ~0.6 us (`allows`)
+
     def __init__(self, kind: str, arg: Any, vocab: VocabIndex, where: ast.Call):
         self.vocab = vocab
         try:
@@ -86,6 +88,11 @@ class _LLGState(_State):
         if self._mask is None:
             self._mask = np.zeros(self.node.vocab.size, dtype=bool) if self.dead else _mask_of(self.m, self.node.vocab)
         return self._mask
+
+    def allows(self, tok):
+        if self._mask is not None:
+            return bool(self._mask[tok])
+        return not self.dead and bool(self.node.vocab.nonspecial[tok]) and self.m.validate_tokens([tok]) == 1
 
     def can_end(self):
         return not self.dead and not self.m.is_error() and self.m.is_accepting()

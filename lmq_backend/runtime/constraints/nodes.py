@@ -20,6 +20,10 @@ class _Ctx:
 
 
 class _Node:
+    # whether its states' masks cost far more than checking one token (`_State.allows`): a greedy pick then
+    # checks the unconstrained pick first (`HoleLoop`); llguidance's (llg.py)
+    checks_tokens = False
+
     def state(self, ctx: _Ctx) -> "_State":
         raise NotImplementedError
 
@@ -33,6 +37,12 @@ class _State:
 
     def allowed(self) -> np.ndarray | None:
         raise NotImplementedError
+
+    def allows(self, tok: int) -> bool:
+        """Whether allowed() holds `tok` (a non-special token), without computing the whole mask where a
+        state can tell more cheaply."""
+        mask = self.allowed()
+        return mask is None or bool(mask[tok])
 
     def can_end(self) -> bool:
         raise NotImplementedError
@@ -64,6 +74,7 @@ class _FreeState(_State):
 class _AndNode(_Node):
     def __init__(self, parts: list[_Node]):
         self.parts = parts
+        self.checks_tokens = any(p.checks_tokens for p in parts)
 
     def state(self, ctx):
         return _AndState([p.state(ctx) for p in self.parts])
@@ -85,6 +96,9 @@ class _AndState(_State):
                 out = out & m
         return out
 
+    def allows(self, tok):
+        return all(p.allows(tok) for p in self.parts)
+
     def can_end(self):
         return all(p.can_end() for p in self.parts)
 
@@ -98,6 +112,7 @@ class _AndState(_State):
 class _OrNode(_Node):
     def __init__(self, parts: list[_Node]):
         self.parts = parts
+        self.checks_tokens = any(p.checks_tokens for p in parts)
 
     def state(self, ctx):
         return _OrState([p.state(ctx) for p in self.parts])
@@ -117,6 +132,9 @@ class _OrState(_State):
                 return None
             out = m if out is None else out | m
         return out
+
+    def allows(self, tok):
+        return any(not p.dead and p.allows(tok) for p in self.parts)
 
     def can_end(self):
         return any(not p.dead and p.can_end() for p in self.parts)
