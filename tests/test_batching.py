@@ -71,24 +71,30 @@ async def test_sample_n_runs_as_rows_sharing_the_prefix(make_backend):
     assert [r.variables for r in again] == [r.variables for r in results]
 
 
-async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkeypatch):
-    """Sampling rows are picked by one `ModelRunner.sample` a step (prefills and decode steps alike), never
-    one `Sampling.select` a row; each row's values are what it draws alone (seeded, float32)."""
+def sample_calls(monkeypatch) -> list[int]:
+    """How many draws each `ModelRunner.sample` call is given, from here on."""
     from lmq_backend.engine.runner import ModelRunner
-    from lmq_backend.runtime.decoders import Sampling
 
-    backend = make_backend("llama")
-    q = lmq.compile('sample(n=3, temperature=0.9, seed=11)\n    "Say something about {x}:[X]" where len(TOKENS(X)) < 5',
-                    model=backend)
-    alone = {x: [r.variables for r in await q(x=x)] for x in ("cats", "dogs", "rain", "tea")}
-    calls = []
-    real = ModelRunner.sample
+    calls, real = [], ModelRunner.sample
 
     def spy(self, logits, draws):
         calls.append(len(draws))
         return real(self, logits, draws)
 
     monkeypatch.setattr(ModelRunner, "sample", spy)
+    return calls
+
+
+async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkeypatch):
+    """Sampling rows are picked by one `ModelRunner.sample` a step (prefills and decode steps alike), never
+    one `Sampling.select` a row; each row's values are what it draws alone (seeded, float32)."""
+    from lmq_backend.runtime.decoders import Sampling
+
+    backend = make_backend("llama")
+    q = lmq.compile('sample(n=3, temperature=0.9, seed=11)\n    "Say something about {x}:[X]" where len(TOKENS(X)) < 5',
+                    model=backend)
+    alone = {x: [r.variables for r in await q(x=x)] for x in ("cats", "dogs", "rain", "tea")}
+    calls = sample_calls(monkeypatch)
     monkeypatch.setattr(Sampling, "select", lambda *a: pytest.fail("a sampled pick made a row at a time"))
     together = await asyncio.gather(*(q(x=x) for x in alone))
     assert {x: [r.variables for r in rs] for x, rs in zip(alone, together)} == alone
@@ -101,21 +107,13 @@ async def test_a_step_picks_its_constrained_greedy_rows_at_once(make_backend, mo
     hole's first pick (checked without its mask, `HoleLoop._checked`: a random model's unconstrained pick
     breaks the REGEX, so that pick is made again from the row's mask, and the hole's next picks compute
     the mask first); each query's values are what it gets alone."""
-    from lmq_backend.engine.runner import ModelRunner
     from lmq_backend.runtime.decoders import Greedy
 
     backend = make_backend("llama")
     q = lmq.compile('"Count {x}:[N] then[R] and[C]" where INT(N) and len(TOKENS(N)) < 4 and '
                     'REGEX(R, r"[a-z]{2,9}") and C in [" one more", " two", " three of them"]', model=backend)
     alone = {x: (await q(x=x)).variables for x in ("cats", "dogs", "rain", "tea", "a long list of things")}
-    calls = []
-    real = ModelRunner.sample
-
-    def spy(self, logits, draws):
-        calls.append(len(draws))
-        return real(self, logits, draws)
-
-    monkeypatch.setattr(ModelRunner, "sample", spy)
+    calls = sample_calls(monkeypatch)
     alone_picks = []
     select = Greedy.select
     monkeypatch.setattr(Greedy, "select", lambda *a: alone_picks.append(1) or select(*a))
