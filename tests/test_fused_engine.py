@@ -69,6 +69,7 @@ RUN_AHEAD = '''
 " so[B]" where STOPS_AT(B, ".") and len(TOKENS(B)) < 16
 " Is it true?[C]" where C in [" yes", " no"]
 "{x}[D]" where len(TOKENS(D)) < 10
+" In one line:[E]" where REGEX(E, r"[^\\n]{1,80}") and len(TOKENS(E)) < 12
 '''
 
 
@@ -76,8 +77,8 @@ RUN_AHEAD = '''
 async def test_run_ahead_steps_change_no_token(tokenizer):
     """On a GPU, greedy steps without a constraint mask run the next step ahead on the device's own pick;
     the host takes it only when its own pick and the batch agree. Concurrent queries that join, stop
-    (STOPS_AT) and pick under constraints mid-way give the same tokens as without running ahead, and most
-    steps were taken from a run-ahead."""
+    (STOPS_AT) and pick under constraints mid-way (a REGEX's picks checked against it, `picks.Checked`) give
+    the same tokens as without running ahead, and most steps were taken from a run-ahead."""
     ahead, plain = ahead_and_plain(llama("cuda", 512, 4, 8), tokenizer)
     q_ahead, q_plain = lmq.Query(RUN_AHEAD, model=ahead), lmq.Query(RUN_AHEAD, model=plain)
 
