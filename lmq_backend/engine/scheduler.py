@@ -324,7 +324,7 @@ class Scheduler:
         work = [self.decodes[id(row)] for row in rows]
         tokens = [w[0] for w in work]
         ahead = [w[1] for w in work]
-        # the logits go to the host only for a row that may not pick on the device (or redo it: Checked), or returns them
+        # the logits go to the host only for a row the device may not pick for (or may redo: Checked) or returns them
         want = any(a.__class__ is not int or w[3] is None for a, w in zip(ahead, work))
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
