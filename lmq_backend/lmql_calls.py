@@ -67,6 +67,8 @@ class _BiasState:
     """A HoleState (see runtime/constraints.py) for one row: the tokens LMQL's bias allows, ending where
     it allows a special token (EOS), a Stop after max_new_tokens."""
 
+    checks_tokens = False  # its mask is at hand
+
     def __init__(self, allowed: np.ndarray, can_end: bool, max_new_tokens: int, vocab):
         self._allowed, self._can_end, self.max_new_tokens, self.vocab = allowed, can_end, max_new_tokens, vocab
         self.tokens: list[int] = []

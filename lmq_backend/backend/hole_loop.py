@@ -33,7 +33,7 @@ class HoleLoop:
         self.decoded = 0        # decode steps fed to the row (statistics)
         self._greedy = type(sampler) is Greedy
         # greedy under a constraint whose mask costs far more than checking a token: see `_checked`
-        self._checks = self._greedy and state.hc.checks_tokens
+        self._checks = self._greedy and state.checks_tokens
         self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
         self._sampling = type(sampler) is Sampling
         self.ahead: int | Draw | None = None
