@@ -21,7 +21,7 @@ def masked_argmax(logits: torch.Tensor, masks: list[torch.Tensor | None] | None,
     """out (int64 [R]) = per row of logits (float32 [R, V], unit column stride) the index of its largest logit
     among the tokens its mask allows: masks[r] bool [V] contiguous, None (or masks None): every token."""
     lib = cpu._load()
-    if lib is None or logits.dim() != 2 or not cpu._rows_ok(logits) or out.dtype != torch.int64 \
+    if lib is None or logits.dim() != 2 or not len(logits) or not cpu._rows_ok(logits) or out.dtype != torch.int64 \
             or out.shape != logits.shape[:1] or not out.is_contiguous():
         return False
     r, v = logits.shape

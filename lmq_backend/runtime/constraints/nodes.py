@@ -133,8 +133,9 @@ class _OrState(_State):
             out = m if out is None else out | m
         return out
 
-    def allows(self, tok):
-        return any(not p.dead and p.allows(tok) for p in self.parts)
+    def allows(self, tok):  # as allowed(): every token where no part is alive
+        alive = [p for p in self.parts if not p.dead]
+        return not alive or any(p.allows(tok) for p in alive)
 
     def can_end(self):
         return any(not p.dead and p.can_end() for p in self.parts)
