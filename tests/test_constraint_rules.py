@@ -300,6 +300,20 @@ def test_a_constraint_is_compiled_once_while_its_arguments_keep_plain_equal_valu
         compile_hole_constraint(c, ev, vocab)
 
 
+def test_a_holes_conjuncts_built_anew_each_call_find_their_compiled_constraint(vocab):
+    """A hole's conjuncts (and a query's global `where` with them) come as a new `And` each call
+    (`constraint_for_hole`): an equal one gets the compiled constraint back, as the same object does, so a
+    REGEX hole with a length limit is not compiled again at every call of its query."""
+    from lmq_backend.language import parse_query
+    from lmq_backend.runtime.constraints import constraint_for_hole
+
+    where = parse_query('"a[S]" where len(TOKENS(S)) < 17 and REGEX(S, r"[a-z]+")').body[0].where
+    ev = lambda e: eval(e.code, {}, {})  # noqa: E731
+    first, second = constraint_for_hole(where, "S"), constraint_for_hole(where, "S")
+    assert first is not second and first == second
+    assert compile_hole_constraint(second, ev, vocab) is compile_hole_constraint(first, ev, vocab)
+
+
 def test_a_constraint_with_a_mutable_argument_compiles_every_call(vocab):
     options = ["yes", "no"]
     c = ast.Choice("X", N("options"), SPAN)

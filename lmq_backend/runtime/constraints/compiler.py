@@ -209,16 +209,17 @@ def compile_hole_constraint(c: ast.Constraint | None, evaluate: Callable[[ast.Py
     `evaluate` evaluates argument expressions in the query's scope.
 
     Compiling is a function of the constraint and the values of its arguments, and a `HoleConstraint` is
-    stateless (`start()` gives each generation its own state): so the same constraint object whose
-    arguments evaluate again to equal plain values (None, bool, int, float, str, tuples and frozensets of
-    them: compared with their types) gets the constraint compiled before (a query called over a data set
-    compiles its holes once). Any other value (a list, a dict: mutable) compiles every call."""
-    memo: dict[int, tuple] = vocab.memo("compiled", dict)  # id(c) -> (c, [(expr, key of its value)], compiled)
-    hit = memo.get(id(c))
-    if hit is not None and hit[0] is c:
+    stateless (`start()` gives each generation its own state): so an equal constraint (the syntax trees are
+    values: a hole's conjuncts and a query's global `where` come as a new `And` each call) whose arguments
+    evaluate again to equal plain values (None, bool, int, float, str, tuples and frozensets of them:
+    compared with their types) gets the constraint compiled before (a query called over a data set compiles
+    its holes once). Any other value (a list, a dict: mutable) compiles every call."""
+    memo: dict[ast.Constraint, tuple] = vocab.memo("compiled", dict)  # c -> ([(expr, key of its value)], compiled)
+    hit = memo.get(c)
+    if hit is not None:
         try:
-            if all(_plain_key(evaluate(expr)) == key for expr, key in hit[1]):
-                return hit[2]
+            if all(_plain_key(evaluate(expr)) == key for expr, key in hit[0]):
+                return hit[1]
         except Exception:  # noqa: BLE001 - the compiler below reports it as it does
             pass
     comp = _Compiler(evaluate, vocab)
@@ -228,7 +229,7 @@ def compile_hole_constraint(c: ast.Constraint | None, evaluate: Callable[[ast.Py
     if all(key is not None for _, key in keys):
         if len(memo) >= MAX_COMPILED:
             memo.clear()
-        memo[id(c)] = (c, keys, compiled)
+        memo[c] = (keys, compiled)
     return compiled
 
 
