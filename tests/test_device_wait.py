@@ -8,6 +8,7 @@ import random
 
 import pytest
 import test_batching as batching
+import test_batching_failures as failures
 
 from lmq_backend.engine.runner import ModelRunner
 
@@ -42,8 +43,8 @@ async def test_random_arrivals_while_steps_wait(make_backend, slow_device, seed)
 
 
 async def test_failures_and_cancellations_while_steps_wait(make_backend, slow_device):
-    await batching.test_failing_and_cancelled_queries_leave_the_batch(make_backend)
+    await failures.test_failing_and_cancelled_queries_leave_the_batch(make_backend)
 
 
 async def test_soak_while_steps_wait(make_backend, slow_device):
-    await batching.test_soak_with_cancellations_and_invalid_queries(make_backend)
+    await failures.test_soak_with_cancellations_and_invalid_queries(make_backend)
