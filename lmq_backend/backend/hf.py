@@ -23,7 +23,8 @@ from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.quantize import QUANTIZED_DTYPES
 from ..engine.picks import Choices, Draw
 from ..engine.runner import ModelRunner, PrefillRow
-from ..engine.scheduler import Preempted, Row, Scheduler
+from ..engine.rows import Preempted, Row
+from ..engine.scheduler import Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
@@ -350,6 +351,12 @@ class _Prefill:
         self.node, self.cached = trie.match(self.ids, limit=len(self.ids) - 1)
         self.backend._pin(self.seq, self.node)
         return PrefillRow(trie.path_slots(self.node), self.cached, self.ids[self.cached:])
+
+    def release(self) -> bool:
+        held = self.seq.handle is not None
+        self.backend._pin(self.seq, None)
+        self.node = None
+        return held
 
     def complete(self, logits: torch.Tensor, row: Row) -> None:
         b = self.backend

@@ -26,7 +26,7 @@ from .runner import PrefillRow
 if TYPE_CHECKING:
     from ..cache.kv_store import KVStore
     from .picks import Choices, Draw
-    from .scheduler import Row
+    from .rows import Row
 
 SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
 AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
@@ -47,6 +47,10 @@ class PrefillRequest(Protocol):
 
     def complete(self, logits: torch.Tensor, row: "Row") -> None:
         """The row's prefill ran: store what it computed (before any later step can move it)."""
+
+    def release(self) -> bool:
+        """Drop the cache pins the request's query holds while it waits (its next `prepare` looks its prefix
+        up again); True if it held any."""
 
 
 @dataclass(eq=False)

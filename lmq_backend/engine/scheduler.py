@@ -21,7 +21,8 @@ parts, down to `admission.MIN_PART` tokens); a row that does not fit waits for r
 other failure of a prefill splits it too, down to the query whose prefill fails alone: that query gets the
 error, the others run. When the running rows' next decode columns need more slots than the store can give,
 the rows that joined last are preempted (vLLM's recompute preemption): they leave the batch, their queries
-get `Preempted` and prefill their tokens again, from the trie where it still holds them, and go on.
+get `Preempted` and prefill their tokens again, from the trie where it still holds them, and go on. Before
+either, the trie pins of queries waiting for a prefill go (cache only: their prefill looks it up again).
 """
 from __future__ import annotations
 
@@ -38,37 +39,8 @@ from ..errors import LMQBackendError
 from . import admission
 from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
 from .picks import Draw, per_row
+from .rows import Preempted, Row
 from .runner import ModelRunner
-
-
-
-class Preempted(Exception):
-    """The row was taken out of the running batch to free K/V slots for older rows: prefill its tokens
-    again and go on (`HFBackend.generate` does)."""
-
-
-@dataclass(eq=False)
-class Row:
-    """A sequence in the running batch; `slot` is its row in the pool and may change between steps."""
-
-    slot: int
-    joined: int = 0       # order of joining the batch: the latest rows are preempted first
-    live: bool = True
-    # After a prefill, or a fused decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the
-    # row's logits under the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`).
-    device_picks: tuple | None = None
-    drawn: int | None = None  # after a step: its sample of the row's draw (see `device_pick`)
-    chosen: tuple | None = None  # after a prefill: the choices its request asked for (`picks.choose`)
-
-    def device_pick(self, ahead: int | Draw) -> int | None:
-        """The step's pick for the row's last logits, if it made one: under the runner's greedy mask `ahead`
-        (an int), or the sample of the row's draw (a `Draw`, the one the row gave the step)."""
-        if isinstance(ahead, Draw):
-            return self.drawn
-        if self.device_picks is None:
-            return None
-        picks, i = self.device_picks
-        return picks(ahead, i)
 
 
 @dataclass
@@ -262,9 +234,9 @@ class Scheduler:
                 w.most = max(admission.MIN_PART, new // 2)
                 self.waiting.insert(0, w)
                 return
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and self.rows:
-                self.waiting.append(w)  # running rows will leave and free their slots: wait for them
-                return
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or self._release_waiting()):
+                self.waiting.append(w)  # running rows will leave and free their slots, or the cache that waiting
+                return                  # queries kept can go: wait for them
             admission.drop(self.store, batch)
             error = e  # its own prefill fails alone: that query gets the error
             if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
@@ -358,6 +330,8 @@ class Scheduler:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
         columns (evicting unpinned trie leaves counts). A row alone that does not fit fails."""
         while len(self.rows) * width > self.store.available():
+            if self._release_waiting():
+                continue
             if len(self.rows) == 1:
                 raise LMQBackendError(
                     f"out of K/V slots: one query alone needs more than the KV budget holds "
@@ -369,6 +343,17 @@ class Scheduler:
             self.preemptions += 1
             self.release(victim)
             self._compact()
+
+    def _release_waiting(self) -> bool:
+        """Drop the cache pins of the queries waiting for a prefill (none of it started): what they kept for
+        their next prefill, which looks its prefix up again. Under memory pressure those pages may go before
+        a running row is preempted or a query fails: memory that waiting queries only cache is not needed
+        (a query between holes pins its prompt's path). True if any was dropped."""
+        released = False
+        for w in self.waiting:
+            if not w.started and w.request.release():
+                released = True
+        return released
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:
