@@ -220,3 +220,17 @@ async def test_queries_between_holes_do_not_starve_a_tight_kv_budget(make_backen
     assert [r.variables for r in results] == [expected[i % 20] for i in range(150)]
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
     backend.trie.check()
+
+
+async def test_a_query_too_long_for_the_kv_budget_fails_alone(make_backend, tiny_models, tokenizer):
+    """A query whose hole outgrows the whole K/V budget while it decodes alone gets the error; the queries
+    that were waiting meanwhile run (before, the step's error failed every query waiting on the engine)."""
+    backend = lmq.HFBackend.from_model(tiny_models["llama"], tokenizer, cache_budget=0, kv_budget="60KB",
+                                       max_batch=1, name="tight-kv-long")
+    long = lmq.Query('"Tell a long story:[A]" where len(TOKENS(A)) < 400', model=backend)
+    short = lmq.Query('"Item {x}:[A]" where len(TOKENS(A)) < 4', model=backend)
+    expected = [(await short.run({"x": str(i)})).variables for i in range(5)]
+    results = await asyncio.gather(long.run({}), *(short.run({"x": str(i)}) for i in range(5)), return_exceptions=True)
+    assert isinstance(results[0], lmq.LMQBackendError) and "KV budget" in str(results[0])
+    assert [r.variables for r in results[1:]] == expected
+    assert backend.scheduler.pool.rows == 0

@@ -292,6 +292,8 @@ class Scheduler:
         started = time.perf_counter()
         self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
         self._preempt(self.pool.reserve_width(AHEAD))
+        if not self.rows:  # (a row alone that did not fit failed)
+            return
         rows = list(self.rows)
         work = [self.decodes[id(row)] for row in rows]
         tokens = [w[0] for w in work]
@@ -328,19 +330,18 @@ class Scheduler:
 
     def _preempt(self, width: int) -> None:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
-        columns (evicting unpinned trie leaves counts). A row alone that does not fit fails."""
+        columns (evicting unpinned trie leaves counts). A row alone that does not fit fails, alone (the
+        queries waiting for a prefill wait on)."""
         while len(self.rows) * width > self.store.available():
             if self._release_waiting():
                 continue
-            if len(self.rows) == 1:
-                raise LMQBackendError(
-                    f"out of K/V slots: one query alone needs more than the KV budget holds "
-                    f"({self.store.capacity - 1} slots); raise kv_budget=")
             victim = max(self.rows, key=lambda r: r.joined)
             future = self.decodes[id(victim)][2]
             if not future.done():
-                future.set_exception(Preempted())
-            self.preemptions += 1
+                future.set_exception(Preempted() if len(self.rows) > 1 else LMQBackendError(
+                    f"out of K/V slots: one query alone needs more than the KV budget holds "
+                    f"({self.store.capacity - 1} slots); raise kv_budget="))
+            self.preemptions += len(self.rows) > 1
             self.release(victim)
             self._compact()
 
