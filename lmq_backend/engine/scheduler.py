@@ -234,9 +234,9 @@ class Scheduler:
                 w.most = max(admission.MIN_PART, new // 2)
                 self.waiting.insert(0, w)
                 return
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or self._release_waiting()):
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or self._release_waiting(new)):
                 self.waiting.append(w)  # running rows will leave and free their slots, or the cache that waiting
-                return                  # queries kept can go: wait for them
+                return                  # queries kept went: wait for them
             admission.drop(self.store, batch)
             error = e  # its own prefill fails alone: that query gets the error
             if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
@@ -345,15 +345,18 @@ class Scheduler:
             self.release(victim)
             self._compact()
 
-    def _release_waiting(self) -> bool:
+    def _release_waiting(self, evict: int = 0) -> bool:
         """Drop the cache pins of the queries waiting for a prefill (none of it started): what they kept for
         their next prefill, which looks its prefix up again. Under memory pressure those pages may go before
-        a running row is preempted or a query fails: memory that waiting queries only cache is not needed
-        (a query between holes pins its prompt's path). True if any was dropped."""
+        a running row is preempted or a query fails (a query between holes pins its prompt's path). With
+        `evict`: that many slots are freed at once, before the next look-ups pin the same pages again. True if
+        any pin was dropped."""
         released = False
         for w in self.waiting:
             if not w.started and w.request.release():
                 released = True
+        if released and evict and self.store.reclaim is not None:
+            self.store.reclaim(evict + AHEAD)
         return released
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
