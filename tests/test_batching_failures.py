@@ -201,19 +201,21 @@ async def test_a_failure_in_the_step_loops_bookkeeping_fails_the_queries_and_non
     assert backend.trie.pinned_nodes() == 0 and scheduler.pool.rows == 0
 
 
-async def test_queries_between_holes_do_not_starve_a_tight_kv_budget(make_backend, tiny_models, tokenizer):
-    """150 concurrent three-hole queries, 16 rows at most, over a K/V budget of ~190 slots: the queries waiting
+@pytest.mark.parametrize("rows", [1, 16])
+async def test_queries_between_holes_do_not_starve_a_tight_kv_budget(make_backend, tiny_models, tokenizer, rows):
+    """150 concurrent three-hole queries, 1 or 16 rows at most, over a K/V budget of ~190 slots: the queries waiting
     for their next hole's prefill pin their prompts' paths in the trie, which filled the store until a query's
     prefill or the one decoding row had no slot, and failed ("out of K/V slots prefilling one query alone";
     in a decode step: every query). Those pins are cache only and now go under pressure
-    (`Scheduler._release_waiting`): every query completes, as alone."""
+    (`Scheduler._release_waiting`; with no row running, a prefill short of slots evicts what they let go at
+    once, before the next look-ups pin it again): every query completes, as alone."""
     src = ('"Item {x}: words[A]" where len(TOKENS(A)) < 8\n" then some more text:[B]" where len(TOKENS(B)) < 12\n'
            '" free:[C]" where len(TOKENS(C)) < 6')
     inputs_of = [{"x": "word " * (i % 5) + str(i)} for i in range(20)]
     alone = lmq.Query(src, model=make_backend("llama", cache_budget=0))
     expected = [(await alone.run(x)).variables for x in inputs_of]
     backend = lmq.HFBackend.from_model(tiny_models["llama"], tokenizer, cache_budget=100_000, kv_budget="100KB",
-                                       max_batch=16, name="tight-kv")
+                                       max_batch=rows, name="tight-kv")
     assert backend.store.capacity < 200
     q = lmq.Query(src, model=backend)
     results = await asyncio.gather(*(q.run(inputs_of[i % 20]) for i in range(150)))
