@@ -11,7 +11,7 @@
    the library), and every other choice already in the cache file (the engine's small ops, attention).
 4. With `--picks`: a step's greedy picks over 49,152 tokens (SmolLM2's vocabulary) at 1, 8 and 256 rows,
    every token allowed or each row under its own mask: lmq's kernel (`cpu.masked_argmax`) against the
-   engine's torch form (where, then argmax); ms, median of `--reps` calls, the sides alternating.
+   engine's torch form (where, then argmax), timed as the calibration times them (best of alternating calls).
 5. With `--decode`: decode steps of the default model (SmolLM2-135M fp32) through the engine, batch 1 and 8
    concurrent queries (a ~450-token prompt each, 32 new tokens), with LMQ_CPU_KERNELS auto / 1 / 0 and,
    with `--before`, "before" (the older GEMM in this tree's library, every C kernel on, the GEMM at 2-8
@@ -43,6 +43,7 @@ import workloads as W  # noqa: E402
 
 from lmq_kernels import cpu, cpu_benches  # noqa: E402
 from lmq_kernels.cpu_build import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
+from lmq_kernels.cpu_calibration import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
@@ -160,23 +161,16 @@ def bench_gemm(rows: list[int], reps: int, before) -> None:
         del ring
 
 
-def bench_picks(reps: int) -> None:
+def bench_picks() -> None:
     lmq = cpu.build(cpu.target())  # the engine's target (LMQ_CPU_MARCH)
-    print("\ngreedy picks over 49,152 tokens, ms (median): lmq's kernel | torch's where + argmax | torch/lmq")
+    print("\ngreedy picks over 49,152 tokens, ms (best, as calibration times them: cpu_calibration.measure): "
+          "lmq's kernel | torch's where + argmax | torch/lmq")
     for rows in (1, 8, 256):
         for masked in (False, True):
             with cpu.use(lmq):
-                sides = cpu_benches.masked_argmax(cpu.masked_argmax, rows, 49152, masked)
-                times = ([], [])
-                for r in range(reps + 1):
-                    for side in (0, 1) if r % 2 == 0 else (1, 0):
-                        t0 = time.perf_counter()
-                        sides[side]()
-                        if r:  # the first round warms up
-                            times[side].append(time.perf_counter() - t0)
-            lmq_ms, torch_ms = (statistics.median(t) * 1e3 for t in times)
-            print(f"  {rows:>3} rows, {'own masks' if masked else 'no mask  '} | {lmq_ms:7.3f} | {torch_ms:7.3f} | "
-                  f"{torch_ms / lmq_ms:5.1f}", flush=True)
+                lmq_s, torch_s, _, _ = measure(*cpu_benches.masked_argmax(cpu.masked_argmax, rows, 49152, masked))
+            print(f"  {rows:>3} rows, {'own masks' if masked else 'no mask  '} | {lmq_s * 1e3:7.3f} | "
+                  f"{torch_s * 1e3:7.3f} | {torch_s / lmq_s:5.1f}", flush=True)
 
 
 def calibrate(rows: list[int]) -> None:
@@ -256,7 +250,7 @@ def main():
         bench_gemm(rows, args.reps, old_gemm(args.before) if args.before else None)
         calibrate(rows)
     if args.picks:
-        bench_picks(args.reps)
+        bench_picks()
     if args.decode:
         bench_decode(args.rounds, old_library(args.before) if args.before else None)
 
