@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from test_fused_decode import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2, tiny_qwen3
+from hole_states import Record
 
 import lmq_backend as lmq
 from lmq_backend.engine import compat
@@ -161,25 +162,6 @@ def test_cuda_fp32_prefill_matches_hf():
     model = llama_1b_shaped(layers=4, dtype=torch.float32)
     run_prefill(model, [(_ids(300, 21), 120), (_ids(181, 22), 0), (_ids(250, 23), 249)], capacity=512,
                 atol=2e-3, kv_atol=2e-3)
-
-
-class Record:
-    """A hole of exactly n tokens that records them (the HoleState contract of lmq_backend.runtime.constraints)."""
-
-    def __init__(self, n: int):
-        self.n, self.tokens, self.text = n, [], ""
-
-    def allowed(self):
-        return None
-
-    def can_end(self) -> bool:
-        return False
-
-    def advance(self, token_id: int):
-        from lmq_backend.runtime.constraints import Stop
-
-        self.tokens.append(token_id)
-        return Stop(text="", keep=len(self.tokens), tail="") if len(self.tokens) == self.n else None
 
 
 @cuda_only

@@ -190,3 +190,26 @@ async def test_lmql_documentation_examples_run(name, default_backend):
     result = await lmq.compile(source)()
     for r in result if isinstance(result, list) else [result]:
         assert holds(r), (name, r.variables)
+
+
+async def test_a_state_without_the_optional_checks_is_asked_for_its_masks(make_backend):
+    """A hole state with only the contract's required members (`allowed`, `can_end`, `advance`, `text`: no
+    `allows` / `checks_tokens`) drives `generate`: its greedy tokens are the unconstrained greedy ones."""
+    from hole_states import Record
+
+    from lmq_backend.runtime.decoders import Greedy
+
+    backend = make_backend("llama")
+    tokens = []
+    for _ in range(2):  # the second from the trie
+        seq = backend.sequence("t", max_len=64)
+        try:
+            await backend.extend(seq, "Once upon a time")
+            hole = Record(8)
+            await backend.generate(seq, hole, Greedy())
+            tokens.append(hole.tokens)
+        finally:
+            backend.release(seq)
+    want = await lmq.compile('argmax\n    "Once upon a time[X]" where len(TOKENS(X)) < 9', model=backend)()
+    assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
+    assert backend.vocab.decode_bytes(tokens[0]).decode("utf-8", "replace") == want["X"]

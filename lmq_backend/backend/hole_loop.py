@@ -33,7 +33,8 @@ class HoleLoop:
         self.decoded = 0        # decode steps fed to the row (statistics)
         self._greedy = type(sampler) is Greedy
         # greedy under a constraint whose mask costs far more than checking a token: see `_checked`
-        self._checks = self._greedy and state.checks_tokens
+        # (optional in a state: one without it, e.g. written to the older contract, gives its masks)
+        self._checks = self._greedy and getattr(state, "checks_tokens", False)
         self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
         self._sampling = type(sampler) is Sampling
         self.ahead: int | Draw | None = None

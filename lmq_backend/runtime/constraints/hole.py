@@ -8,7 +8,9 @@ What the backend calls, per token of the value (`HFBackend.generate`):
                                               # None: every non-special token. Special tokens and EOS are
                                               # never in a mask: ending is what can_end() says.
         end_ok = state.can_end()              # the value satisfies the constraint now (the hole may end)
-        ok = state.allows(token)              # allowed()[token], without the whole mask where cheaper
+        ok = state.allows(token)              # allowed()[token], without the whole mask where cheaper;
+                                              # asked only where state.checks_tokens (both optional: a
+                                              # state without them is asked for its masks)
         stop = state.advance(token)           # append a token from allowed(); a `Stop` when a stop rule
                                               # (STOPS_AT, STOPS_BEFORE, len(TOKENS(X)) < n) fired
     value = stop.text if stop else state.text
