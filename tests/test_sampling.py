@@ -238,3 +238,71 @@ async def test_sample_query_draws_from_the_model_distribution(peaked_models, tem
         "every result drawn with the same seed": np.eye(len(PAIRS))[np.argmax(counts)],
     })
     assert len(rejected) >= 2, rejected  # the model's logits make the arguments matter here
+
+
+
+@pytest.fixture(scope="module")
+def spread_models():
+    """A tiny Llama whose logits spread over a few units (some tens to hundreds of tokens carry most of the
+    mass: a random model's are nearly equal), and an untouched copy of it that computes the reference."""
+    from transformers import AutoTokenizer
+
+    from lmq_backend.backend.default_model import default_model_dir
+    from lmq_backend.backend.hf import HFBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_llama(seed=5)
+    with torch.no_grad():
+        model.lm_head.weight *= 12.0
+    reference_model = copy.deepcopy(model)
+    return HFBackend.from_model(model, tokenizer, cache_budget="64MB", name="tiny-spread"), reference_model
+
+
+CHECKED = 600
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+async def test_a_checked_sample_draws_from_the_constrained_distribution(spread_models, temperature, monkeypatch):
+    """A one-token value under a REGEX (llguidance: a hole whose mask is dear draws without it, keeps an
+    allowed draw, and draws again under the mask after one that is not, `HoleLoop._checked`): the values'
+    frequencies are the model's distribution over the tokens the expression allows (found here from the
+    tokens' bytes, not by llguidance), in bins of equal mass; draws both kept and redrawn."""
+    import re
+
+    from lmq_backend.runtime.constraints import llg
+
+    backend, reference_model = spread_models
+    redrawn = []  # the mask is asked for (here always the template's, computed once) only to draw again
+    allowed_mask = llg._LLGState.allowed
+    monkeypatch.setattr(llg._LLGState, "allowed", lambda self: redrawn.append(1) or allowed_mask(self))
+    prompt = "Say:"
+    q = lmq.compile(f'sample(n={CHECKED}, temperature={temperature}, seed=11)\n'
+                    f'    "{prompt}[X]" where REGEX(X, r"[a-m][a-z]*") and len(TOKENS(X)) < 2', model=backend)
+    results = await q()
+    assert len(results) == CHECKED
+
+    vocab = backend.vocab
+    allowed = np.array([vocab.nonspecial[t] and re.fullmatch(rb"[a-m][a-z]*", vocab.token_bytes[t]) is not None
+                        for t in range(vocab.size)])
+    with torch.no_grad():
+        ids = backend.sequence("ref").ids + vocab.encode(prompt)
+        logits = reference_model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    text = {vocab.token_bytes[t].decode(): t for t in np.flatnonzero(allowed)}
+    drawn = [text.get(r["X"]) for r in results]
+    assert None not in drawn, [r["X"] for r in results if r["X"] not in text][:5]
+    # 8 bins of the allowed tokens, most likely first, of equal mass under the expected distribution
+    expected = reference(logits, temperature, allowed=allowed)
+    order = np.argsort(-expected, kind="stable")
+    bin_of = np.empty(vocab.size, dtype=np.int64)
+    bin_of[order] = np.minimum((np.cumsum(expected[order]) - expected[order] / 2) * 8, 7).astype(np.int64)
+
+    def binned(p):
+        return np.bincount(bin_of, weights=p, minlength=8)
+
+    counts = np.bincount(bin_of[drawn], minlength=8)
+    wrong = {"every allowed token as likely": binned(allowed / allowed.sum())}
+    if temperature != 1.0:
+        wrong["the temperature ignored"] = binned(reference(logits, 1.0, allowed=allowed))
+    rejected = assert_matches(counts, binned(expected), wrong)
+    assert len(rejected) == len(wrong), rejected
+    assert 0 < len(redrawn) < CHECKED  # kept and redrawn draws both

@@ -8,10 +8,15 @@ row's new logits and feeds the token it returns in the next step, so a token cos
 query's task (~half the host time of a token at 1,000 concurrent queries); the task wakes once, when the
 hole is done (or a check fails, or the row is preempted).
 
-A greedy hole under a constraint whose mask is dear (llguidance's REGEX / JSON / GRAMMAR: 0.01-0.44 ms a
-mask) does not compute it before each pick: the step picks as for an unconstrained token, and the hole checks
-that one token against the constraint (~0.6 us); only where the constraint forbids it, the mask and the pick
-from the logits (`_checked`). The token is the same either way.
+A hole under a constraint whose mask is dear (llguidance's REGEX / JSON / GRAMMAR: 0.01-0.44 ms a mask) does
+not compute it before each pick: the step picks as for an unconstrained token, and the hole checks that one
+token against the constraint (~0.6 us); only where the constraint forbids it, the mask and the pick again,
+from the logits (`_checked`). Greedy, the token is the same either way (the first maximal logit of a larger
+set, if allowed, is the first of the smaller). Sampled (without a nucleus), a token drawn from the larger set
+and kept because it is allowed is a draw from the constrained distribution, and so is the new draw under the
+mask after one that was not (rejection sampling): the values' distribution is the same, the draws not (a
+seed's values differ from those of a mask before every pick). Where the value may end, no mask either way:
+a token outside it ends the hole, allowed or not.
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ class HoleLoop:
         self.stop = None
         self.decoded = 0        # decode steps fed to the row (statistics)
         self._greedy = type(sampler) is Greedy
-        # greedy under a constraint whose mask costs far more than checking a token: see `_checked`
-        # (optional in a state: one without it, e.g. written to the older contract, gives its masks)
-        self._checks = self._greedy and getattr(state, "checks_tokens", False)
-        self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
         self._sampling = type(sampler) is Sampling
+        # a constraint whose mask costs far more than checking a token, greedy or sampled without a nucleus
+        # (a nucleus of the larger set is not one of the smaller): see `_checked`. (Optional in a state: one
+        # without it, e.g. written to the older contract, gives its masks.)
+        self._checks = getattr(state, "checks_tokens", False) and (
+            self._greedy or (self._sampling and sampler.top_p >= 1.0))
+        self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
+        self._unchecked = False      # is the next pick made without the constraint (then checked)?
         self.ahead: int | Draw | None = None
         self.planned = self._plan()
 
@@ -66,8 +74,9 @@ class HoleLoop:
         """The checks before the next pick: False if the hole ends without one; raises if it cannot end."""
         b, state = self.backend, self.state
         can_end = state.can_end()
-        if self._checks and (can_end or self._unchecked_held):  # the mask only where the unconstrained pick
-            allowed, extendable, extends = None, None, True      # breaks the constraint (`_checked`)
+        self._unchecked = self._checks and (can_end or self._unchecked_held)
+        if self._unchecked:  # the mask only where the unconstrained pick breaks the constraint (`_checked`)
+            allowed, extendable, extends = None, None, True
         else:
             allowed = state.allowed()
             extendable, extends = b._extendable_under(allowed)
@@ -98,14 +107,16 @@ class HoleLoop:
         if token is None:
             token = int(sample(logits[i][None], [ahead])[0]) if isinstance(ahead, Draw) else \
                 self.sampler.select(logits[i], self.pick)
-        if ahead.__class__ is Checked:
+        if self._unchecked:
             token = self._checked(token, logits, i)
             if token is None:
                 return None
         else:
-            if self._checks and not self.can_end:  # would the unconstrained pick have held? (then check again)
+            if self._checks and not self.can_end:  # would the unconstrained pick have held? (then check again;
+                # a sampled row asks the greedy one: a guess for the next pick's mode, never for its token)
                 b = self.backend
-                self._unchecked_held = self.row.device_pick(b._greedy_mask(b._extendable_on_device)) == token
+                unconstrained = self.row.device_pick(b._greedy_mask(b._extendable_on_device))
+                self._unchecked_held = unconstrained is not None and bool(self.extendable[unconstrained])
             if self.can_end and not self.extendable[token]:
                 return None  # a token outside the value (EOS, or one the constraint excludes) ends the hole
         self.generated.append(token)
@@ -115,9 +126,10 @@ class HoleLoop:
         return token, self.ahead
 
     def _checked(self, token: int, logits: torch.Tensor, i: int) -> int | None:
-        """The pick under the row's constraint, from the step's pick without it (`Checked`; None: the hole
-        ends). Where the constraint allows that token it is the constrained pick too (the first maximal logit
-        of a larger set of tokens), and no mask was computed; else the mask, and the pick from the logits."""
+        """The pick under the row's constraint, from the step's pick without it (None: the hole ends). Where
+        the constraint allows that token it is the constrained pick too (greedy: the first maximal logit of a
+        larger set of tokens; sampled: a draw kept because it is allowed), and no mask was computed; else the
+        mask, and the pick again from the logits (sampled: a new draw, under the mask)."""
         b, state = self.backend, self.state
         if self.can_end:  # a token outside the value ends the hole, as in `_pick`
             return token if b._extendable[token] and state.allows(token) else None
