@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmq_backend.engine.picks import Choices, Draw, choose, greedy, masked_argmax, sample
+from lmq_backend.engine.picks import Choices, Draw, choose, greedy, masked_argmax, nucleus, sample
 from lmq_backend.runtime.decoders import Greedy, Sampling
 from lmq_kernels import cpu
 from test_cpu_kernels import TARGETS  # noqa: F401 (the variants `kernels` runs)
@@ -120,3 +120,44 @@ def test_a_rows_choices_are_its_own_top_k():
         assert ids == want[:a.k] and lps == pytest.approx([float(logp[i]) for i in ids])
         outside = [float(logp[i]) for i in range(v) if not a.extend[i] and pickable[i]]
         assert end == (pytest.approx(max(outside)) if a.can_end else None)
+
+
+def whole_sort_nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus by sorting each whole row (of equal probabilities the lower id first)."""
+    ranked, order = p.sort(dim=-1, descending=True, stable=True)
+    kept = ranked.cumsum(-1) - ranked < top_p
+    return torch.zeros_like(kept).scatter_(1, order, kept)
+
+
+def test_the_nucleus_among_the_most_probable_tokens_is_the_whole_sorts():
+    """`nucleus` cuts most rows among their 64 or 1,024 most probable tokens: the same tokens as sorting the
+    whole row, for peaked and flat rows, ties (at the cut too), masked tokens, every top_p; each tier taken."""
+    gen = torch.Generator().manual_seed(0)
+    v = 5000
+    rows = []
+    for spread in (0.3, 1.0, 3.0, 8.0, 20.0):  # flat (the whole sort) to peaked (the first tier)
+        rows.append(torch.randn(16, v, generator=gen) * spread)
+    tied = torch.randint(0, 6, (16, v), generator=gen).float()  # many equal logits, at the cut as well
+    rows.append(tied)
+    masked = torch.randn(16, v, generator=gen) * 4
+    masked[torch.rand(16, v, generator=gen) < 0.7] = float("-inf")
+    rows.append(masked)
+    straddling = torch.full((4, v), float("-inf"))  # a few tokens above 500 equal ones, cut among those
+    for i in range(4):
+        straddling[i, torch.randperm(v, generator=gen)[:500]] = 2.0
+        straddling[i, torch.randperm(v, generator=gen)[:3]] = 5.0
+    rows.append(straddling)
+    z = torch.cat(rows)
+    p = torch.softmax(z, dim=-1)
+    tiers = {"64": 0, "1024": 0, "sort": 0}
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        t = torch.full((len(z), 1), top_p)
+        got, want = nucleus(p, t), whole_sort_nucleus(p, t)
+        assert torch.equal(got, want), top_p
+        for n in want.sum(-1).tolist():
+            tiers["64" if n < 64 else "1024" if n < 1024 else "sort"] += 1
+    assert all(tiers.values()), tiers
+    # rows alone and together agree (each row's cut is its own)
+    t = torch.full((len(z), 1), 0.9)
+    together = nucleus(p, t)
+    assert all(torch.equal(nucleus(p[i:i + 1], t[i:i + 1])[0], together[i]) for i in range(0, len(z), 7))

@@ -108,13 +108,47 @@ def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     p = torch.softmax(z / temperature, dim=-1)
     if top_p is not None:  # the most probable tokens, kept in the vocabulary's order (as cut, not as
         # sorted: a near-tie in two tokens' last bits must not reorder what u selects)
-        ranked, order = p.sort(dim=-1, descending=True)
-        keep = ranked.cumsum(-1) - ranked < top_p
-        p = p * torch.zeros_like(keep).scatter_(1, order, keep)
+        p = p * nucleus(p, top_p)
     cdf = p.cumsum_(-1)
     total = cdf[:, -1:].contiguous()
     # never past the last token with mass (u * total may round up to total)
     return torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))[:, 0]
+
+
+NUCLEUS_CANDIDATES = (64, 1024)  # how many of a row's most probable tokens `nucleus` looks among, in turn
+
+
+def nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of the probabilities p [R, V], the smallest set of most probable tokens whose mass reaches
+    top_p ([R, 1]; of equal probabilities the lower id first): bool [R, V]. Each row is cut among its 64, then
+    1,024 most probable tokens (a top-k: ~20-50 us a row of 49,152 on a CPU, where sorting the row took
+    1.4-2.7 ms) where the cut lies there, strictly above every token left out; else its whole row is sorted.
+    The same set either way: the tokens kept, their order and their running mass are those of the sort."""
+    r, v = p.shape
+    keep = torch.zeros(r, v, dtype=torch.bool, device=p.device)
+    rows = torch.arange(r, device=p.device)
+    for k in NUCLEUS_CANDIDATES:
+        if k >= v or not len(rows):
+            break
+        values, ids = p[rows].topk(k, dim=-1)
+        by_id = ids.argsort(dim=-1)  # then a stable sort by value: of equal values the lower id first
+        values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+        order = values.argsort(dim=-1, descending=True, stable=True)
+        ranked, ids = values.gather(1, order), ids.gather(1, order)
+        kept = ranked.cumsum(-1) - ranked < top_p[rows]  # a prefix of the ranking
+        n = kept.sum(-1)
+        last = ranked.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        cut = (n < k) & (last > ranked[:, -1])  # every token outside the k is below the last one kept
+        if cut.any():
+            done = cut.nonzero()[:, 0]
+            keep[rows[done]] = torch.zeros(len(done), v, dtype=torch.bool, device=p.device).scatter_(
+                1, ids[done], kept[done])
+            rows = rows[~cut]
+    if len(rows):
+        ranked, order = p[rows].sort(dim=-1, descending=True, stable=True)
+        kept = ranked.cumsum(-1) - ranked < top_p[rows]
+        keep[rows] = torch.zeros_like(kept).scatter_(1, order, kept)
+    return keep
 
 
 def per_row(pick, logits: torch.Tensor, asks: list) -> dict:
