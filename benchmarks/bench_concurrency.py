@@ -72,6 +72,12 @@ def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample
     return time.perf_counter() - t
 
 
+def run_ahead(backend) -> tuple[int, int]:
+    """(run-ahead steps launched, taken) by the backend's fused GPU decoder so far; (0, 0) without one."""
+    decoder = getattr(backend.runner, "_decoder", None)
+    return (decoder[0].ran_ahead, decoder[0].took_ahead) if decoder else (0, 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -121,7 +127,9 @@ def main() -> None:
         store.peak_used = store.used_slots
         before = store.used_slots
         asyncio.run(run_n(query, shots, texts[:n]))         # warm-up: same N, fills the trie with the prefix
+        ahead = run_ahead(backend)
         seconds = asyncio.run(run_n(query, shots, texts[n:]))
+        ahead = [b - a for a, b in zip(ahead, run_ahead(backend))]
         # every token that was live: the prefix once, each call's review and answer (the trie keeps them)
         prefix = len(tokenizer.encode(shots)) if not before else 0
         own = sum(len(tokenizer.encode(f"Review: {r}\nSummary:")) + 16 for r in texts)
@@ -134,6 +142,8 @@ def main() -> None:
             hf = f"{n / hf_generate(plain, tokenizer, prompts, device, args.hf_chunk, args.sample):.0f}"
         print(f"| {n} | {seconds:.2f} s | {n / seconds:.0f} | {peak / 1e9:.3f} GB | {unique / 1e9:.3f} GB | "
               f"{peak / unique:.2f} | {hf} | {rss_gb() - rss0:.2f} GB |", flush=True)
+        if ahead[0]:  # (the timed round's) how often the device ran a step ahead on its picks, and was right
+            print(f"#   run-ahead steps launched {ahead[0]}, taken {ahead[1]}", flush=True)
     s = backend.stats()
     print(f"# hit rate {s.token_hit_rate:.3f}, trie {s.bytes_in_use / 1e9:.2f} GB in {s.nodes} nodes, "
           f"evictions {s.evictions}")
