@@ -52,6 +52,33 @@ def check(backend: HFBackend) -> None:
     backend.store.check(backend.trie.node_slots(), [pool.row_slots(s) for s in range(pool.rows)] + held)
 
 
+def checking(backend: HFBackend, every: int) -> list:
+    """The backend's steps from now on (a list that grows), with `check` every `every` steps."""
+    steps = []
+
+    def on_step(info):
+        steps.append(info)
+        if len(steps) % every == 0:
+            check(backend)
+
+    backend.on_step(on_step)
+    return steps
+
+
+async def run_cancelling(one, n: int, rng: random.Random, cancelled: int, turns: int, chance: float) -> list:
+    """`one(i)` for i < n at once; `cancelled` of them, drawn by `rng`, are cancelled at random turns of the
+    event loop (each with `chance` a turn, for `turns` turns). Each one's result, exception or cancellation."""
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    cancel = set(rng.sample(range(n), cancelled))
+    for _ in range(turns):
+        await asyncio.sleep(0)
+        for i in list(cancel):
+            if rng.random() < chance:
+                tasks[i].cancel()
+                cancel.discard(i)
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @pytest.mark.parametrize("parts", [False, True], ids=["whole", "in-parts"])
 async def test_soak_2000_queries_tight_kv_budget(tokenizer, model, parts):
     """`in-parts`: a step takes at most 24 new tokens, so most prompts are prefilled in parts."""
@@ -64,14 +91,7 @@ async def test_soak_2000_queries_tight_kv_budget(tokenizer, model, parts):
                                    kv_budget=2000 * PER_TOKEN)
     if parts:
         backend.scheduler.max_prefill_tokens = 24
-    steps = []
-
-    def on_step(info):
-        steps.append(info)
-        if len(steps) % 7 == 0:
-            check(backend)
-
-    backend.on_step(on_step)
+    steps = checking(backend, every=7)
     q = lmq.Query(SRC, model=backend)
     invalid_runtime = lmq.compile('"Soak test: shared.[A]" where A in options', model=backend)
     too_long = lmq.compile('argmax(max_len=8)\n"{x}[A]" where len(TOKENS(A)) < 4', model=backend)
@@ -87,15 +107,7 @@ async def test_soak_2000_queries_tight_kv_budget(tokenizer, model, parts):
             return await too_long(x="far too long a prompt for max_len " * 3)
         return (await q.run(inputs(i % DISTINCT))).variables
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-    cancel = set(rng.sample(range(n), 200))
-    for _ in range(300):
-        await asyncio.sleep(0)
-        for i in list(cancel):
-            if rng.random() < 0.02:
-                tasks[i].cancel()
-                cancel.discard(i)
-    done = await asyncio.gather(*tasks, return_exceptions=True)
+    done = await run_cancelling(one, n, rng, cancelled=200, turns=300, chance=0.02)
 
     finished = 0
     for i, r in enumerate(done):
@@ -127,13 +139,7 @@ async def test_decode_rows_preempted_for_slots_resume_exactly(tokenizer, model):
     alone = lmq.compile(src, model=HFBackend.from_model(model, tokenizer, cache_budget=0, name="alone"))
     expected = [(await alone(i=i)).variables for i in range(10)]
     backend = HFBackend.from_model(model, tokenizer, cache_budget=0, name="tight", kv_budget=400 * PER_TOKEN)
-    steps = []
-
-    def on_step(info):
-        steps.append(info)
-        check(backend)
-
-    backend.on_step(on_step)
+    steps = checking(backend, every=1)
     q = lmq.compile(src, model=backend)
     assert [r.variables for r in await asyncio.gather(*(q(i=i) for i in range(10)))] == expected
     assert backend.scheduler.preemptions > 0
@@ -161,14 +167,7 @@ async def test_sampled_constrained_soak_values_hold(tokenizer, model):
 
     backend = HFBackend.from_model(model, tokenizer, cache_budget=200 * PER_TOKEN, name="soak-sampled",
                                    kv_budget=700 * PER_TOKEN)
-    steps = []
-
-    def on_step(info):
-        steps.append(info)
-        if len(steps) % 5 == 0:
-            check(backend)
-
-    backend.on_step(on_step)
+    checking(backend, every=5)
     rng = random.Random(5)
 
     async def one(i: int):
@@ -177,16 +176,7 @@ async def test_sampled_constrained_soak_values_hold(tokenizer, model):
         q = lmq.compile(SAMPLED.format(seed=i % 7, i=i % 11, n=[6, 40][i % 2], schema=SCHEMA), model=backend)
         return (await q()).variables
 
-    n = 300
-    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-    cancel = set(rng.sample(range(n), 30))
-    for _ in range(100):
-        await asyncio.sleep(0)
-        for i in list(cancel):
-            if rng.random() < 0.05:
-                tasks[i].cancel()
-                cancel.discard(i)
-    done = await asyncio.gather(*tasks, return_exceptions=True)
+    done = await run_cancelling(one, 300, rng, cancelled=30, turns=100, chance=0.05)
     values = [r for r in done if not isinstance(r, asyncio.CancelledError)]
     assert len(values) > 250 and all(isinstance(r, dict) for r in values), \
         [r for r in values if not isinstance(r, dict)][:3]
