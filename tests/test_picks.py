@@ -67,11 +67,17 @@ def test_the_kernels_greedy_pick_is_torchs(kernels, v):
     assert not cpu.masked_argmax(logits, masks[:-1], out)
 
 
-def test_a_rows_sample_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("group", [None, 5], ids=["one group", "groups of 5 rows"])
+def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(group, monkeypatch):
     """Rows with other temperatures, nuclei, masks (or none) and greedy rows in one call: each row's token is
-    the one it gets alone, and `Sampling.select` (one row) is the same function of the same draw."""
+    the one it gets alone, and `Sampling.select` (one row) is the same function of the same draw; also where
+    a CPU samples the rows a group at a time (`picks.CPU_CHUNK_BYTES`)."""
+    from lmq_backend.engine import picks
+
     gen = torch.Generator().manual_seed(1)
     v = 300
+    if group:
+        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", group * 4 * v)
     logits = torch.randn(24, v, generator=gen) * 3
     masks = [None, torch.rand(v, generator=gen) < 0.3, torch.rand(v, generator=gen) < 0.05]
     draws = [Draw(temperature=[1.0, 0.7, 0.0, 2.0][i % 4], top_p=[1.0, 0.9, 0.5][i % 3],

@@ -91,13 +91,28 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
             index = torch.tensor(index, dtype=torch.int32, device=device)
             picks[idx] = sample_rows(part, table, index, temperature[idx, 0], u[idx, 0])
         else:
-            picks[idx] = inverse_cdf(_masked(part.float(), masks), temperature[idx], u[idx], top_p)
+            picks[idx] = _inverse_cdf_rows(part.float(), masks, temperature[idx], u[idx], top_p)
     argmax_rows = [i for i, d in enumerate(draws) if d.temperature <= 0]
     if argmax_rows:
         idx = torch.tensor(argmax_rows, device=device)
         part = logits if len(argmax_rows) == r else logits[idx]
         picks[idx] = greedy(part, [draws[i].allowed for i in argmax_rows])
     return picks
+
+
+CPU_CHUNK_BYTES = 6 << 20  # a CPU samples rows in groups of about this many bytes of logits
+
+
+def _inverse_cdf_rows(z: torch.Tensor, masks: list[torch.Tensor | None], temperature: torch.Tensor,
+                      u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """`inverse_cdf` of the rows of z [R, V] under their masks; on a CPU a group of rows at a time, whose
+    softmax and cumulative sum stay in the caches between their passes (256 rows of 49,152 at once: 32 ms;
+    32 at a time: 8 ms). A row's token is the same either way (each row's arithmetic is its own)."""
+    n = len(masks) if z.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * z.shape[1]))
+    if n >= len(masks):
+        return inverse_cdf(_masked(z, masks), temperature, u, top_p)
+    return torch.cat([inverse_cdf(_masked(z[i:i + n], masks[i:i + n]), temperature[i:i + n], u[i:i + n],
+                                  None if top_p is None else top_p[i:i + n]) for i in range(0, len(masks), n)])
 
 
 def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
