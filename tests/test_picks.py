@@ -107,11 +107,17 @@ def test_the_draw_inverts_the_cumulative_distribution():
     assert picks[0] == 0 and picks[1] == picks[2] in (2, 3)
 
 
-def test_a_rows_choices_are_its_own_top_k():
+@pytest.mark.parametrize("group", [None, 4], ids=["one group", "groups of 4 rows"])
+def test_a_rows_choices_are_its_own_top_k(group, monkeypatch):
     """Beams' choices in one call: each row's are its top-k of the extendable tokens under the log-softmax
-    over the pickable ones, best first, no token of no probability; the best ending where it may end."""
+    over the pickable ones, best first, no token of no probability; the best ending where it may end (also
+    where a CPU takes the rows a group at a time)."""
+    from lmq_backend.engine import picks
+
     gen = torch.Generator().manual_seed(2)
     v = 200
+    if group:
+        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", group * 4 * v)
     logits = torch.randn(6, v, generator=gen) * 2
     pickable = torch.arange(v) < 190
     extends = [torch.rand(v, generator=gen) < 0.5, torch.zeros(v, dtype=torch.bool), torch.arange(v) < 2]

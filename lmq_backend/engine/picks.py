@@ -103,12 +103,17 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
 CPU_CHUNK_BYTES = 6 << 20  # a CPU samples rows in groups of about this many bytes of logits
 
 
+def _cpu_group(logits: torch.Tensor) -> int:
+    """How many rows of `logits` [R, V] a CPU takes at a time (all of them elsewhere)."""
+    return len(logits) if logits.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * logits.shape[1]))
+
+
 def _inverse_cdf_rows(z: torch.Tensor, masks: list[torch.Tensor | None], temperature: torch.Tensor,
                       u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
     """`inverse_cdf` of the rows of z [R, V] under their masks; on a CPU a group of rows at a time, whose
     softmax and cumulative sum stay in the caches between their passes (256 rows of 49,152 at once: 32 ms;
     32 at a time: 8 ms). A row's token is the same either way (each row's arithmetic is its own)."""
-    n = len(masks) if z.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * z.shape[1]))
+    n = _cpu_group(z)
     if n >= len(masks):
         return inverse_cdf(_masked(z, masks), temperature, u, top_p)
     return torch.cat([inverse_cdf(_masked(z[i:i + n], masks[i:i + n]), temperature[i:i + n], u[i:i + n],
@@ -230,7 +235,11 @@ class Choices:
 def choose(logits: torch.Tensor, asks: list[Choices]) -> list[tuple[list[int], list[float], float | None]]:
     """Each row's choices (`Choices`) from `logits` [R, V]: one log-softmax, one top-k and one copy to the host
     for all rows. Per row: (token ids, their log-probabilities, best first, without tokens of no
-    probability; the log-probability of ending, None where the value cannot end or no token ends it)."""
+    probability; the log-probability of ending, None where the value cannot end or no token ends it). On a
+    CPU a group of rows at a time, as `sample` (256 rows of 49,152: 54 -> 16 ms)."""
+    n = _cpu_group(logits)
+    if n < len(asks):
+        return [c for i in range(0, len(asks), n) for c in choose(logits[i:i + n], asks[i:i + n])]
     logp = torch.log_softmax(_masked(logits.float(), [a.pickable for a in asks]), dim=-1)
     extend = _stacked([a.extend for a in asks], logits.shape[1], logits.device)
     width = max(min(a.k, a.count) for a in asks)
