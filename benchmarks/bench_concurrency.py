@@ -7,6 +7,7 @@ a hole of up to 16 free tokens. All N calls run at once (`asyncio.gather`), afte
     GPU: python benchmarks/bench_concurrency.py --tokenizer DIR --shape llama-1b --n 64 256 1024
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 4096 --kv-budget 8GB
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample    (sampled, T = 0.8)
+         python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample --top-p 0.9   (and a nucleus)
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --where 'REGEX(S, r" [a-z ,.]{1,80}")'
                                                 (the hole under a constraint of its own besides the length)
     CPU: python benchmarks/bench_concurrency.py --device cpu --n 16 128      (the default model, float32)
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF generate on the same texts")
     ap.add_argument("--hf-chunk", type=int, default=256)
     ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --sample: the nucleus (1: none)")
     ap.add_argument("--where", default="", help="a constraint on S besides its length (REGEX, INT, S in [...])")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,12 +112,13 @@ def main() -> None:
     backend = lmq.HFBackend.from_model(model, tokenizer, cache_budget="40GB", name=name, max_batch=args.max_batch,
                                        kv_budget=args.kv_budget)
     lmq.register_backend("bench", backend)
-    query = lmq.compile(QUERY.format(decoder="sample(temperature=0.8)" if args.sample else "argmax",
+    nucleus = f", top_p={args.top_p}" if args.top_p < 1 else ""
+    query = lmq.compile(QUERY.format(decoder=f"sample(temperature=0.8{nucleus})" if args.sample else "argmax",
                                      where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
     shots = W.w1_shots(40)
     store = backend.store
     per_token = store.bytes_per_token
-    print(f"# {name} on {device}, {'sampled' if args.sample else 'greedy'}{', where ' + args.where if args.where else ''}, "
+    print(f"# {name} on {device}, {'sampled' + nucleus if args.sample else 'greedy'}{', where ' + args.where if args.where else ''}, "
           f"max_batch {args.max_batch}, store {store.capacity * per_token / 1e9:.1f} GB "
           f"({store.capacity} slots)")
     print("| N | time | queries/s | K/V at peak | K/V of unique tokens | ratio | HF generate q/s | RSS growth |")
