@@ -67,17 +67,22 @@ def test_the_kernels_greedy_pick_is_torchs(kernels, v):
     assert not cpu.masked_argmax(logits, masks[:-1], out)
 
 
+def in_groups(monkeypatch, rows: int | None, v: int) -> None:
+    """A CPU's sampling and choices take `rows` rows of `v` logits at a time (None: as they come)."""
+    from lmq_backend.engine import picks
+
+    if rows:
+        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", rows * 4 * v)
+
+
 @pytest.mark.parametrize("group", [None, 5], ids=["one group", "groups of 5 rows"])
 def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(group, monkeypatch):
     """Rows with other temperatures, nuclei, masks (or none) and greedy rows in one call: each row's token is
     the one it gets alone, and `Sampling.select` (one row) is the same function of the same draw; also where
     a CPU samples the rows a group at a time (`picks.CPU_CHUNK_BYTES`)."""
-    from lmq_backend.engine import picks
-
     gen = torch.Generator().manual_seed(1)
     v = 300
-    if group:
-        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", group * 4 * v)
+    in_groups(monkeypatch, group, v)
     logits = torch.randn(24, v, generator=gen) * 3
     masks = [None, torch.rand(v, generator=gen) < 0.3, torch.rand(v, generator=gen) < 0.05]
     draws = [Draw(temperature=[1.0, 0.7, 0.0, 2.0][i % 4], top_p=[1.0, 0.9, 0.5][i % 3],
@@ -112,12 +117,9 @@ def test_a_rows_choices_are_its_own_top_k(group, monkeypatch):
     """Beams' choices in one call: each row's are its top-k of the extendable tokens under the log-softmax
     over the pickable ones, best first, no token of no probability; the best ending where it may end (also
     where a CPU takes the rows a group at a time)."""
-    from lmq_backend.engine import picks
-
     gen = torch.Generator().manual_seed(2)
     v = 200
-    if group:
-        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", group * 4 * v)
+    in_groups(monkeypatch, group, v)
     logits = torch.randn(6, v, generator=gen) * 2
     pickable = torch.arange(v) < 190
     extends = [torch.rand(v, generator=gen) < 0.5, torch.zeros(v, dtype=torch.bool), torch.arange(v) < 2]

@@ -167,23 +167,24 @@ PAIRS = [a + b for a in "123" for b in "12"]  # two-token values: one token at t
 SAMPLES = 300
 
 
-@pytest.fixture(scope="module")
-def peaked_models():
-    """A tiny Llama whose digit logits spread over a few units (a random model's are nearly equal), and an
-    untouched copy of it (never wrapped by lmq) that computes the reference distribution."""
-    from transformers import AutoTokenizer
-
-    from lmq_backend.backend.default_model import default_model_dir
+def scaled_models(tokenizer, seed: int, factor: float, tokens: list[str] | None, name: str):
+    """A tiny Llama whose LM head rows of `tokens` (None: every row) are scaled by `factor` (a random model's
+    logits are nearly equal), served by lmq, and an untouched copy of it (never wrapped by lmq) that computes
+    the reference distribution."""
     from lmq_backend.backend.hf import HFBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    model = tiny_llama(seed=3)
-    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    model = tiny_llama(seed=seed)
+    rows = slice(None) if tokens is None else [tokenizer.convert_tokens_to_ids(t) for t in tokens]
     with torch.no_grad():
-        model.lm_head.weight[digits] *= 14.0
+        model.lm_head.weight[rows] *= factor
     reference_model = copy.deepcopy(model)
-    backend = HFBackend.from_model(model, tokenizer, cache_budget="64MB", name="tiny-sampling")
-    return backend, reference_model
+    return HFBackend.from_model(model, tokenizer, cache_budget="64MB", name=name), reference_model
+
+
+@pytest.fixture(scope="module")
+def peaked_models(tokenizer):
+    """The digits' logits spread over a few units."""
+    return scaled_models(tokenizer, 3, 14.0, list("0123456789"), "tiny-sampling")
 
 
 def reference_pairs(backend, reference_model, prompt: str, temperature: float, top_p: float) -> np.ndarray:
@@ -240,22 +241,10 @@ async def test_sample_query_draws_from_the_model_distribution(peaked_models, tem
     assert len(rejected) >= 2, rejected  # the model's logits make the arguments matter here
 
 
-
 @pytest.fixture(scope="module")
-def spread_models():
-    """A tiny Llama whose logits spread over a few units (some tens to hundreds of tokens carry most of the
-    mass: a random model's are nearly equal), and an untouched copy of it that computes the reference."""
-    from transformers import AutoTokenizer
-
-    from lmq_backend.backend.default_model import default_model_dir
-    from lmq_backend.backend.hf import HFBackend
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    model = tiny_llama(seed=5)
-    with torch.no_grad():
-        model.lm_head.weight *= 12.0
-    reference_model = copy.deepcopy(model)
-    return HFBackend.from_model(model, tokenizer, cache_budget="64MB", name="tiny-spread"), reference_model
+def spread_models(tokenizer):
+    """Every token's logit spread over a few units (some tens to hundreds of tokens carry most of the mass)."""
+    return scaled_models(tokenizer, 5, 12.0, None, "tiny-spread")
 
 
 CHECKED = 600
