@@ -95,8 +95,7 @@ class HoleLoop:
         if self._greedy:  # under a mask of the device's, or the row's own: then a draw at temperature 0, which
             # the step picks with its other rows' at once (`engine.picks.sample`), not a masked argmax a row
             k = b._greedy_mask(pick)
-            self.ahead = Checked(k) if allowed is None and self._checks else \
-                k if k is not None else Draw(0.0, 1.0, 0.0, pick)
+            self.ahead = Checked(k) if self._unchecked else k if k is not None else Draw(0.0, 1.0, 0.0, pick)
         else:
             self.ahead = self.sampler.draw(pick) if self._sampling else None
         return True

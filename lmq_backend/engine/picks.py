@@ -150,7 +150,7 @@ def nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     for k in NUCLEUS_CANDIDATES:
         if k >= v or not len(rows):
             break
-        values, ids = p[rows].topk(k, dim=-1)
+        values, ids = (p if len(rows) == r else p[rows]).topk(k, dim=-1)
         by_id = ids.argsort(dim=-1)  # then a stable sort by value: of equal values the lower id first
         values, ids = values.gather(1, by_id), ids.gather(1, by_id)
         order = values.argsort(dim=-1, descending=True, stable=True)
@@ -165,7 +165,7 @@ def nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
                 1, ids[done], kept[done])
             rows = rows[~cut]
     if len(rows):
-        ranked, order = p[rows].sort(dim=-1, descending=True, stable=True)
+        ranked, order = (p if len(rows) == r else p[rows]).sort(dim=-1, descending=True, stable=True)
         kept = ranked.cumsum(-1) - ranked < top_p[rows]
         keep[rows] = torch.zeros_like(kept).scatter_(1, order, kept)
     return keep
