@@ -6,8 +6,9 @@ task runs the steps:
 
     loop:
         wait until there is work
-        if prefills wait:  prepare them (trie lookups), pick a cache-aware set, one batched forward,
-                           the new rows join the running batch (continuous batching)
+        if prefills wait (and are worth stalling the running rows for):  prepare them (trie lookups),
+                           pick a cache-aware set, one batched forward, the new rows join the running
+                           batch (continuous batching)
         elif every running row has its next token:  one decode forward for the whole batch
 
 Rows join and leave between steps. Which waiting prefills a step runs is `admission.py`'s choice: a
@@ -68,6 +69,8 @@ class Scheduler:
         self.preemptions = 0
         self._stepping = False  # a step is running (it may await the device: see `_device_done`)
         self._after_part = False  # the last step prefilled a part of a long prompt: rows decode before its next
+        self._prefill_seconds = 0.0  # a recent prefill step's duration (a moving average: `_joins_now`)
+        self._join_timer: asyncio.TimerHandle | None = None  # wakes the loop when waiting prefills are due
 
     # ----- the queries' side ----------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class Scheduler:
             return loop
         if self._bound is not loop:  # a new event loop: whatever ran in an old one is gone
             self._reset_rows()
-            self._wake, self._bound = asyncio.Event(), loop
+            self._wake, self._bound, self._join_timer = asyncio.Event(), loop, None
         self._task = loop.create_task(self._run(), name="lmq-scheduler")
         return loop
 
@@ -170,7 +173,7 @@ class Scheduler:
                 # (after a part of a long prompt, the running rows take a step before its next part)
                 decode_first = self._after_part and self.rows and len(self.decodes) == len(self.rows)
                 self._after_part = False
-                ran = not decode_first and bool(self.waiting) and await self._prefill_step()
+                ran = not decode_first and bool(self.waiting) and self._joins_now() and await self._prefill_step()
                 if not ran and self.rows and len(self.decodes) == len(self.rows):
                     await self._decode_step()
                     ran = True
@@ -181,6 +184,18 @@ class Scheduler:
                 self._stepping = False
             if ran and (self.waiting or (self.rows and len(self.decodes) == len(self.rows))):
                 self._wake.set()
+
+    def _joins_now(self) -> bool:
+        """Should the waiting requests be prefilled now, stalling the running rows (`admission.join_delay`)? If
+        not, the rows decode meanwhile, and a timer wakes the loop when they should (in case no step does)."""
+        now = time.perf_counter()
+        delay = admission.join_delay(self.waiting, self.runner.max_batch - len(self.rows), len(self.rows),
+                                     self._prefill_seconds, now)
+        if delay <= 0:
+            return True
+        if self._join_timer is None or self._join_timer.when() <= self._bound.time():  # (none pending)
+            self._join_timer = self._bound.call_later(delay, self._wake.set)
+        return False
 
     def _select(self) -> list[Waiting]:
         """The prefills to run now (`admission.select`: cache-aware, within the seats, slots and limits)."""
@@ -262,6 +277,7 @@ class Scheduler:
             await self._device_done()
             drawn = per_row(self.runner.sample, logits, [w.request.draw for w in batch])
             chosen = per_row(self.runner.choose, logits, [w.request.choices for w in batch])
+            self._prefill_seconds = (self._prefill_seconds + time.perf_counter() - started) / 2
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
