@@ -11,9 +11,10 @@ chosen are looked up again next round, so a wider window costs more than it find
 A prefill stalls every running row for its duration, and a small one costs about what a large one does (a 1B
 model on an H100: ~5-8 ms for one row's 30 tokens, as much as 3-4 decode steps of 256 rows). So while rows
 decode, the waiting requests join them only once that is worth a step (`join_delay`): when they bring at
-least 1/JOIN_SHARE as many rows as run already, or when the oldest has waited PATIENCE times a recent prefill
-step's duration (rows ending one or two a step, at 1,000 concurrent holes of random lengths, would otherwise
-each cost a prefill step of their own). With no rows running, or few, a prefill runs at once.
+least 1/JOIN_SHARE as many rows as run already, or once PATIENCE times a recent prefill step's duration has
+passed since the last one (so prefills stall the running rows for at most 1 / (1 + PATIENCE) of the time:
+holes that end one or two a step, at 1,000 concurrent queries, would otherwise each cost a prefill step of
+their own). With no rows running, or few, a prefill runs at once.
 
 A prompt with more new tokens than a step takes (`max_tokens`; while rows decode, `max_part`) is prefilled in
 parts, alone, each part's K/V the next part's cached prefix (its slots held by the request between parts:
@@ -22,8 +23,7 @@ parts, alone, each part's K/V the next part's cached prefix (its slots held by t
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -42,7 +42,7 @@ DECODE_RESERVE = 16     # free slots per running row kept for its next decode st
 SELECT_MARGIN = 32      # waiting requests looked up beyond what can be chosen, to choose among
 MIN_PART = 256          # an out-of-memory error halves a long prompt's parts down to this many new tokens
 JOIN_SHARE = 8          # waiting requests join running rows at once when they are 1/JOIN_SHARE of their number
-PATIENCE = 1.0          # ... else once the oldest has waited this many recent prefill steps' durations
+PATIENCE = 2.0          # ... else this many recent prefill steps' durations after the last one
 
 
 class PrefillRequest(Protocol):
@@ -71,7 +71,6 @@ class Waiting:
     part: int | None = None         # the new tokens this step takes: all (None) or the first `part`
     most: int | None = None         # the most new tokens a part may take (halved by out-of-memory errors)
     started: bool = False           # parts ran: `row.slots` holds slots of its own (ROW), not only the trie's
-    since: float = field(default_factory=time.perf_counter)  # when it began to wait (`join_delay`)
 
     def step_row(self) -> PrefillRow:
         """The row this step prefills: the whole row, or its first `part` new tokens."""
@@ -143,14 +142,13 @@ def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tok
     return chosen
 
 
-def join_delay(waiting: list[Waiting], seats: int, running: int, prefill_seconds: float, now: float) -> float:
-    """Seconds until the waiting requests should be prefilled, joining `running` rows (0: now): at once where
-    no rows run, or where they would fill at least running / JOIN_SHARE of the `seats`; else once the oldest
-    has waited PATIENCE x `prefill_seconds` (a recent prefill step's duration)."""
-    live = [w for w in waiting if not w.future.done()]
-    if not running or not live or min(len(live), seats) * JOIN_SHARE >= running:
+def join_delay(waiting: int, seats: int, running: int, prefill_seconds: float, since_prefill: float) -> float:
+    """Seconds until `waiting` requests should be prefilled, joining `running` rows (0: now): at once where no
+    rows run, or where they would fill at least running / JOIN_SHARE of the `seats`; else PATIENCE x
+    `prefill_seconds` (a recent prefill step's duration) after the last prefill step (`since_prefill` ago)."""
+    if not running or min(waiting, seats) * JOIN_SHARE >= running:
         return 0.0
-    return max(0.0, min(w.since for w in live) + PATIENCE * prefill_seconds - now)
+    return max(0.0, PATIENCE * prefill_seconds - since_prefill)
 
 
 def window(waiting: list[Waiting], most: int, read_limit: int | None) -> list[Waiting]:

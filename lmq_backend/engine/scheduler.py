@@ -70,6 +70,7 @@ class Scheduler:
         self._stepping = False  # a step is running (it may await the device: see `_device_done`)
         self._after_part = False  # the last step prefilled a part of a long prompt: rows decode before its next
         self._prefill_seconds = 0.0  # a recent prefill step's duration (a moving average: `_joins_now`)
+        self._prefilled = 0.0        # when the last one ended (time.perf_counter())
         self._join_timer: asyncio.TimerHandle | None = None  # wakes the loop when waiting prefills are due
 
     # ----- the queries' side ----------------------------------------------------------------------------
@@ -188,9 +189,8 @@ class Scheduler:
     def _joins_now(self) -> bool:
         """Should the waiting requests be prefilled now, stalling the running rows (`admission.join_delay`)? If
         not, the rows decode meanwhile, and a timer wakes the loop when they should (in case no step does)."""
-        now = time.perf_counter()
-        delay = admission.join_delay(self.waiting, self.runner.max_batch - len(self.rows), len(self.rows),
-                                     self._prefill_seconds, now)
+        delay = admission.join_delay(len(self.waiting), self.runner.max_batch - len(self.rows), len(self.rows),
+                                     self._prefill_seconds, time.perf_counter() - self._prefilled)
         if delay <= 0:
             return True
         if self._join_timer is None or self._join_timer.when() <= self._bound.time():  # (none pending)
@@ -277,7 +277,8 @@ class Scheduler:
             await self._device_done()
             drawn = per_row(self.runner.sample, logits, [w.request.draw for w in batch])
             chosen = per_row(self.runner.choose, logits, [w.request.choices for w in batch])
-            self._prefill_seconds = (self._prefill_seconds + time.perf_counter() - started) / 2
+            self._prefilled = time.perf_counter()
+            self._prefill_seconds = (self._prefill_seconds + self._prefilled - started) / 2
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
