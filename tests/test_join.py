@@ -31,16 +31,16 @@ async def run_late(backend, late: int, patience_seconds: float) -> tuple[list[di
     """2 * JOIN_SHARE busy queries decode; then `late` queries arrive at once. Returns the late ones' variables
     and the steps from their arrival on, as (kind, time)."""
     steps: list[tuple] = []
-    backend.on_step(lambda s: steps.append((s.kind, time.perf_counter())))
+    backend.on_step(lambda s: steps.append((s.kind, time.perf_counter(), s.batch_size)))
     busy = [asyncio.ensure_future(lmq.Query(BUSY, model=backend).run({})) for _ in range(2 * JOIN_SHARE)]
-    while sum(k == "decode" for k, _ in steps) < 3:
+    while not steps or steps[-1][::2] != ("decode", len(busy)):  # every busy row decodes
         await asyncio.sleep(0)
     backend.scheduler._prefill_seconds = patience_seconds / PATIENCE
     arrived, steps[:] = time.perf_counter(), []
     backend.scheduler._prefilled = arrived  # (as if a prefill step had just ended)
     results = await asyncio.gather(*(lmq.Query(LATE, model=backend).run({"i": i}) for i in range(late)))
     await asyncio.gather(*busy)
-    return [r.variables for r in results], [(k, t - arrived) for k, t in steps]
+    return [r.variables for r in results], [(k, t - arrived) for k, t, _ in steps]
 
 
 async def test_a_query_arriving_alone_waits_for_others_and_a_group_joins_at_once(make_backend):
