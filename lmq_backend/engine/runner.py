@@ -114,6 +114,12 @@ class ModelRunner:
         self.greedy_masks = masks
         self._decoder = None
 
+    @property
+    def ahead_pending(self) -> bool:
+        """Is a step run ahead on the device (`FusedDecoder.run_ahead`) waiting to be taken? Then the pool's
+        rows had better stay put: the next step takes it only for the same rows."""
+        return self._decoder is not None and self._decoder[0].ahead_pending
+
     def _fused_decoder(self, pool: KVPool):
         table = pool.device_table()
         if self._decoder is None or self._decoder[1] is not table:  # the table was regrown
@@ -293,7 +299,8 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, pool: KVPool, rows: slice, tokens: list[int],
                ahead: list[int | Draw | None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
-        """One token for each row of `rows` (a slot range), written at column `end`. The caller advances
+        """One token for each row of `rows` (a slot range), written at column `end` (-1: any, for a row that
+        left the batch: the token of a step run ahead, or 0). The caller advances
         `pool.end` once every row of the pool has been stepped. Returns logits [B, V] float32; `picks`
         holds the step's greedy picks on the device, or None. `ahead`: per row, the greedy mask (an index
         into `greedy_masks`) its next token will likely be picked with, or the draw it will be sampled
@@ -305,6 +312,7 @@ class ModelRunner:
             return self._fused_decode(pool, tokens, ahead, want_logits)
         starts = pool.start[rows]
         first = min(starts)
+        tokens = [max(t, 0) for t in tokens]
         b, length = len(starts), pool.end - first
         mask = None
         if any(s != first for s in starts):  # rows of different lengths: mask each row's padding

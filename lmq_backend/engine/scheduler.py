@@ -44,6 +44,10 @@ from .rows import Preempted, Row
 from .runner import ModelRunner
 
 
+LEFT = (-1, 0, None, None)  # the decode of a row that left, still in the batch (see `_run`): any token (-1: the
+# one a step run ahead took), greedy under mask 0 (every token), no future, no continuation
+
+
 @dataclass
 class Scheduler:
     runner: ModelRunner
@@ -112,12 +116,13 @@ class Scheduler:
     def release(self, row: Row) -> None:
         """The row leaves the batch (its hole is done, or its query failed or was cancelled). Its slot is
         freed at once if no live row follows it; otherwise before the next step (`_compact`), so that rows
-        leaving together (a batch of classifications) free their slots without moving each other's K/V."""
+        leaving together (a batch of classifications) free their slots without moving each other's K/V. (In a
+        step its row stays put; while the device runs a step ahead, see `_run`.)"""
         if not row.live:
             return
         row.live = False
         self.decodes.pop(id(row), None)
-        while self.rows and not self.rows[-1].live and not self._stepping:  # (in a step: its rows stay put)
+        while self.rows and not self.rows[-1].live and not self._stepping and not self.runner.ahead_pending:
             self.rows.pop()
             self.pool.remove_row(self.pool.rows - 1)
         if self._wake is not None:
@@ -168,14 +173,22 @@ class Scheduler:
             ran = False
             self._stepping = True
             try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
-                self._compact()
-                # prefills first (rows join the batch as early as they can); a prefill that cannot be
-                # admitted now (no seat, no slots) waits, and the running rows decode meanwhile
+                live = sum(row.live for row in self.rows)
+                ready = live and len(self.decodes) == live  # every running row has its next token
+                # prefills first (rows join the batch as early as they can, when worth a step); a prefill
+                # that cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile
                 # (after a part of a long prompt, the running rows take a step before its next part)
-                decode_first = self._after_part and self.rows and len(self.decodes) == len(self.rows)
+                prefill = not (self._after_part and ready) and bool(self.waiting) and self._joins_now(live)
                 self._after_part = False
-                ran = not decode_first and bool(self.waiting) and self._joins_now() and await self._prefill_step()
-                if not ran and self.rows and len(self.decodes) == len(self.rows):
+                # Rows that left stay in the batch for a decode step while the device runs one ahead: moving
+                # the rows would discard it (holes that end at random lengths leave every step at 1,000s of
+                # rows), and a row more costs a GPU step next to nothing. A prefill (which discards it
+                # anyway), or rows that left passing 1/JOIN_SHARE of the batch, move them out.
+                if prefill or not ready or not self.runner.ahead_pending or (
+                        len(self.rows) - live) * admission.JOIN_SHARE > len(self.rows):
+                    self._compact()
+                ran = prefill and await self._prefill_step()
+                if not ran and ready:
                     await self._decode_step()
                     ran = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
@@ -183,14 +196,19 @@ class Scheduler:
                 ran = True
             finally:
                 self._stepping = False
-            if ran and (self.waiting or (self.rows and len(self.decodes) == len(self.rows))):
+            if ran and (self.waiting or self._ready()):
                 self._wake.set()
 
-    def _joins_now(self) -> bool:
+    def _ready(self) -> bool:
+        """Does every running row have its next token (a decode step can run)?"""
+        live = sum(row.live for row in self.rows)
+        return bool(live) and len(self.decodes) == live
+
+    def _joins_now(self, live: int) -> bool:
         """Should the waiting requests be prefilled now, stalling the running rows (`admission.join_delay`)? If
         not, the rows decode meanwhile, and a timer wakes the loop when they should (in case no step does)."""
-        delay = admission.join_delay(len(self.waiting), self.runner.max_batch - len(self.rows), len(self.rows),
-                                     self._prefill_seconds, time.perf_counter() - self._prefilled)
+        delay = admission.join_delay(len(self.waiting), self.runner.max_batch - live, live, self._prefill_seconds,
+                                     time.perf_counter() - self._prefilled)
         if delay <= 0:
             return True
         if self._join_timer is None or self._join_timer.when() <= self._bound.time():  # (none pending)
@@ -312,11 +330,11 @@ class Scheduler:
         if not self.rows:  # (a row alone that did not fit failed)
             return
         rows = list(self.rows)
-        work = [self.decodes[id(row)] for row in rows]
+        work = [self.decodes.get(id(row), LEFT) for row in rows]
         tokens = [w[0] for w in work]
         ahead = [w[1] for w in work]
         # the logits go to the host only for a row the device may not pick for (or may redo: Checked) or returns them
-        want = any(a.__class__ is not int or w[3] is None for a, w in zip(ahead, work))
+        want = any(a.__class__ is not int or w[3] is None for a, w in zip(ahead, work) if w is not LEFT)
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
@@ -326,13 +344,14 @@ class Scheduler:
         try:
             await self._device_done()
             drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
-            self._report("decode", len(tokens), len(tokens), cached, started)
+            live = sum(w is not LEFT for w in work)
+            self._report("decode", live, live, cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
             _fail([w[2] for w in work], e)  # (taken off `decodes`: `_fail_all` would not reach them)
             return
         for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
             row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
-            if future.done():  # cancelled
+            if future is None or future.done():  # (a row that left) cancelled
                 continue
             if then is not None:
                 try:
@@ -349,6 +368,8 @@ class Scheduler:
         """Preempt the latest rows until the store can give each of the others `width` slots for its next
         columns (evicting unpinned trie leaves counts). A row alone that does not fit fails, alone (the
         queries waiting for a prefill wait on)."""
+        if len(self.rows) * width > self.store.available():
+            self._compact()  # rows that left first
         while len(self.rows) * width > self.store.available():
             if self._release_waiting():
                 continue
@@ -402,5 +423,5 @@ class Scheduler:
 
 def _fail(futures: list[asyncio.Future], error: BaseException) -> None:
     for future in futures:
-        if not future.done():
+        if future is not None and not future.done():
             future.set_exception(error)

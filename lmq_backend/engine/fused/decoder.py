@@ -43,6 +43,7 @@ at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lmq_kernels import NewToken, cpu, decode_attention
@@ -231,6 +232,7 @@ class FusedDecoder(GraphSteps, Prefill):
                   draws: dict[int, tuple[float, float, float]] | None = None) -> torch.Tensor:
         """`step` for inputs held by the host (the engine's case): positions are `end - start`; every input
         goes to the device in one copy from a pinned buffer instead of one transfer and launch each.
+        A token -1 is any (a row that left the batch: a run-ahead step's, else 0).
         `ahead`: per row, the greedy mask the device picks the row's token under (a run-ahead step runs on
         it); `draws`: {row: (temperature, u, after)} for the rows whose pick is sampled instead (under that
         mask at u, as `picks.sample` samples; a run-ahead step's at `after`); `key`: see `run_ahead`; `cascade`:
@@ -251,6 +253,7 @@ class FusedDecoder(GraphSteps, Prefill):
             self._host_free.synchronize()     # the previous step's copy has left the pinned buffer
         h = self._host.numpy()
         h[:B] = tokens
+        np.maximum(h[:B], 0, out=h[:B])       # (-1: a row that left, any token)
         h[B:w] = 0
         h[2 * w:2 * w + B] = starts
         h[2 * w + B:3 * w] = self.S           # padded rows attend to nothing

@@ -104,11 +104,19 @@ class GraphSteps:
         self.ran_ahead += 1
         return True
 
+    @property
+    def ahead_pending(self) -> bool:
+        """Is a launched run-ahead step waiting to be taken (or discarded) by the next `step_host`?"""
+        return self._ahead_key is not None
+
     def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
         """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
-        anything else is queued.)"""
+        anything else is queued.) A token -1 (a row that left) matches whatever the step ran on."""
         key, self._ahead_key = self._ahead_key, None
-        if key is None or key[:2] != (last, end) or key[2].tokens() != tokens:
+        if key is None or key[:2] != (last, end):
+            return False
+        ran = key[2].tokens()
+        if ran != tokens and (len(ran) != len(tokens) or any(t != r and t >= 0 for t, r in zip(tokens, ran))):
             return False
         self._copy_picks(len(tokens), self._ahead_used)
         self.took_ahead += 1

@@ -1,6 +1,8 @@
-"""While rows decode, waiting prefills join them only once that is worth a step (`admission.join_delay`): a
-prefill stalls every running row, so one query arriving alone waits for others to come with it (until a few
-recent prefill steps' durations after the last), a group of them joins at once; results are those alone."""
+"""The scheduler's choices between steps. While rows decode, waiting prefills join them only once that is worth
+a step (`admission.join_delay`): a prefill stalls every running row, so one query arriving alone waits for
+others to come with it (until a few recent prefill steps' durations after the last), a group of them joins at
+once. Rows that left stay in the batch while the device runs a step ahead (moving them would discard it). The
+results are those of the queries alone either way."""
 from __future__ import annotations
 
 import asyncio
@@ -55,3 +57,29 @@ async def test_a_query_arriving_alone_waits_for_others_and_a_group_joins_at_once
     assert values == alone
     assert [k for k, _ in steps[:2]].count("prefill") == 1  # (a step may have been under way)
     assert backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting
+
+
+SPREAD = '"Item {i}:[A]" where len(TOKENS(A)) < n'
+
+
+async def test_rows_that_left_stay_while_a_step_runs_ahead(make_backend, monkeypatch):
+    """As if the device always ran a step ahead: holes of different lengths end at different steps, their rows
+    stay in the batch (fed any token) until rows that left pass 1/JOIN_SHARE of it or a prefill comes; the
+    others' tokens are those alone, and every row and slot is back at the end."""
+    items = [{"i": i, "n": 3 + i % 20} for i in range(40)]
+    reference = make_backend("llama", cache_budget=0)
+    expected = [(await lmq.Query(SPREAD, model=reference).run(x)).variables for x in items]
+    backend = make_backend("llama")
+    monkeypatch.setattr(type(backend.runner), "ahead_pending", property(lambda self: True))
+    fed, decode = [], backend.runner.decode
+
+    def record(pool, rows, tokens, *args, **kwargs):
+        fed.append(tokens.count(-1))
+        return decode(pool, rows, tokens, *args, **kwargs)
+    monkeypatch.setattr(backend.runner, "decode", record)
+    got = await asyncio.gather(*(lmq.Query(SPREAD, model=backend).run(x) for x in items))
+    assert [r.variables for r in got] == expected
+    assert max(fed) >= 1 and max(fed) * JOIN_SHARE <= len(items)  # rows that left were in steps, a few
+    s = backend.scheduler
+    assert s.pool.rows == 0 and not s.rows and backend.trie.pinned_nodes() == 0
+    backend.store.check(backend.trie.node_slots(), [])
