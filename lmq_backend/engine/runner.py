@@ -153,6 +153,8 @@ class ModelRunner:
         """Add `rows` to the pool and prefill them: rows of similar new lengths share a left-padded forward
         (so that padding is at most PAD_WASTE of the tokens computed). Returns (logits [B, V], slots)."""
         self._sampled = None
+        if self._decoder is not None:  # (new rows: a step run ahead is not the next step)
+            self._decoder[0].discard_ahead()
         logits: list[torch.Tensor | None] = [None] * len(rows)
         slots: list[int] = [0] * len(rows)
         # room for every group at once: growing the pool group by group would copy it each time

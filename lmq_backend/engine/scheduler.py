@@ -173,8 +173,7 @@ class Scheduler:
             ran = False
             self._stepping = True
             try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
-                live = sum(row.live for row in self.rows)
-                ready = live and len(self.decodes) == live  # every running row has its next token
+                live, ready = self._live(), self._ready()
                 # prefills first (rows join the batch as early as they can, when worth a step); a prefill
                 # that cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile
                 # (after a part of a long prompt, the running rows take a step before its next part)
@@ -199,10 +198,14 @@ class Scheduler:
             if ran and (self.waiting or self._ready()):
                 self._wake.set()
 
+    def _live(self) -> int:
+        """The running rows that have not left (rows that left may stay in the batch a while: `_run`)."""
+        return sum(row.live for row in self.rows)
+
     def _ready(self) -> bool:
         """Does every running row have its next token (a decode step can run)?"""
-        live = sum(row.live for row in self.rows)
-        return bool(live) and len(self.decodes) == live
+        live = self._live()
+        return live > 0 and len(self.decodes) == live
 
     def _joins_now(self, live: int) -> bool:
         """Should the waiting requests be prefilled now, stalling the running rows (`admission.join_delay`)? If

@@ -109,6 +109,10 @@ class GraphSteps:
         """Is a launched run-ahead step waiting to be taken (or discarded) by the next `step_host`?"""
         return self._ahead_key is not None
 
+    def discard_ahead(self) -> None:
+        """The pool changed otherwise (a prefill): the launched run-ahead step cannot be taken."""
+        self._ahead_key = None
+
     def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
         """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
         anything else is queued.) A token -1 (a row that left) matches whatever the step ran on."""
