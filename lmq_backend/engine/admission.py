@@ -151,6 +151,21 @@ def join_delay(waiting: int, seats: int, running: int, prefill_seconds: float, s
     return max(0.0, PATIENCE * prefill_seconds - since_prefill)
 
 
+def release_pins(waiting: list[Waiting], store: KVStore, evict: int = 0) -> bool:
+    """Drop the cache pins of the requests waiting for a prefill (none of it started): what they kept for
+    their next prefill, which looks its prefix up again. Under memory pressure those pages may go before a
+    running row is preempted or a query fails (a query between holes pins its prompt's path). With `evict`:
+    that many slots are freed at once, before the next look-ups pin the same pages again. True if any pin
+    was dropped."""
+    released = False
+    for w in waiting:
+        if not w.started and w.request.release():
+            released = True
+    if released and evict and store.reclaim is not None:
+        store.reclaim(evict + AHEAD)
+    return released
+
+
 def window(waiting: list[Waiting], most: int, read_limit: int | None) -> list[Waiting]:
     """The first `most` live waiting requests, fewer where their prompts (cached or not: what a prefill reads)
     pass `read_limit` by SELECT_MARGIN requests: no more could be chosen this round."""

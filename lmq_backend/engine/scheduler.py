@@ -270,7 +270,7 @@ class Scheduler:
                 w.most = max(admission.MIN_PART, new // 2)
                 self.waiting.insert(0, w)
                 return
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or self._release_waiting(new)):
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or admission.release_pins(self.waiting, self.store, new)):
                 self.waiting.append(w)  # running rows will leave and free their slots, or the cache that waiting
                 return                  # queries kept went: wait for them
             admission.drop(self.store, batch)
@@ -374,7 +374,7 @@ class Scheduler:
         if len(self.rows) * width > self.store.available():
             self._compact()  # rows that left first
         while len(self.rows) * width > self.store.available():
-            if self._release_waiting():
+            if admission.release_pins(self.waiting, self.store):
                 continue
             victim = max(self.rows, key=lambda r: r.joined)
             future = self.decodes[id(victim)][2]
@@ -385,20 +385,6 @@ class Scheduler:
             self.preemptions += len(self.rows) > 1
             self.release(victim)
             self._compact()
-
-    def _release_waiting(self, evict: int = 0) -> bool:
-        """Drop the cache pins of the queries waiting for a prefill (none of it started): what they kept for
-        their next prefill, which looks its prefix up again. Under memory pressure those pages may go before
-        a running row is preempted or a query fails (a query between holes pins its prompt's path). With
-        `evict`: that many slots are freed at once, before the next look-ups pin the same pages again. True if
-        any pin was dropped."""
-        released = False
-        for w in self.waiting:
-            if not w.started and w.request.release():
-                released = True
-        if released and evict and self.store.reclaim is not None:
-            self.store.reclaim(evict + AHEAD)
-        return released
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:
