@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lmq_backend as lmq
+from test_step_policy import SPREAD, SPREAD_ITEMS, run_spread
 
 SRC = '''
 "Some shared text to start with, {x}[A]" where len(TOKENS(A)) < 12
@@ -94,25 +95,15 @@ async def test_run_ahead_steps_change_no_token(tokenizer):
     assert plain.runner._decoder[0].ran_ahead == 0
 
 
-SPREAD = '"Item {i}:[A]" where len(TOKENS(A)) < n and STOPS_AT(A, "x")'
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_rows_that_leave_while_a_step_runs_ahead_change_no_token(tokenizer, monkeypatch):
     """40 holes of 3-22 tokens (fewer where one stops) at once: rows leave at many steps, and stay in the
     batch (fed any token) while the device runs a step ahead; the tokens are those without running ahead,
     and steps were taken from a run-ahead with rows that left in them."""
     ahead, plain = ahead_and_plain(llama("cuda", 512, 4, 8), tokenizer)
-    items = [{"i": i, "n": 3 + i % 20} for i in range(40)]
-    want = [r.variables for r in await asyncio.gather(*(lmq.Query(SPREAD, model=plain).run(x) for x in items))]
-    left, decode = [], ahead.runner.decode
-
-    def record(pool, rows, tokens, *args, **kwargs):
-        left.append(tokens.count(-1))
-        return decode(pool, rows, tokens, *args, **kwargs)
-    monkeypatch.setattr(ahead.runner, "decode", record)
-    got = await asyncio.gather(*(lmq.Query(SPREAD, model=ahead).run(x) for x in items))
-    assert [r.variables for r in got] == want
+    want = [r.variables for r in await asyncio.gather(*(lmq.Query(SPREAD, model=plain).run(x) for x in SPREAD_ITEMS))]
+    got, left = await run_spread(ahead, monkeypatch)
+    assert got == want
     decoder = ahead.runner._decoder[0]
     assert max(left) >= 1 and decoder.took_ahead >= decoder.ran_ahead // 2
     assert ahead.scheduler.pool.rows == 0 and ahead.trie.pinned_nodes() == 0

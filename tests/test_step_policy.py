@@ -59,27 +59,35 @@ async def test_a_query_arriving_alone_waits_for_others_and_a_group_joins_at_once
     assert backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting
 
 
-SPREAD = '"Item {i}:[A]" where len(TOKENS(A)) < n'
+SPREAD = '"Item {i}:[A]" where len(TOKENS(A)) < n and STOPS_AT(A, "x")'
+SPREAD_ITEMS = [{"i": i, "n": 3 + i % 20} for i in range(40)]
+
+
+async def run_spread(backend, monkeypatch) -> tuple[list[dict], list[int]]:
+    """The SPREAD_ITEMS at once (holes of 3-22 tokens, fewer where one stops: rows leave at many steps): their
+    variables, and how many rows that left each decode step fed (token -1)."""
+    left, decode = [], backend.runner.decode
+
+    def record(pool, rows, tokens, *args, **kwargs):
+        left.append(tokens.count(-1))
+        return decode(pool, rows, tokens, *args, **kwargs)
+    monkeypatch.setattr(backend.runner, "decode", record)
+    got = await asyncio.gather(*(lmq.Query(SPREAD, model=backend).run(x) for x in SPREAD_ITEMS))
+    return [r.variables for r in got], left
 
 
 async def test_rows_that_left_stay_while_a_step_runs_ahead(make_backend, monkeypatch):
     """As if the device always ran a step ahead: holes of different lengths end at different steps, their rows
     stay in the batch (fed any token) until rows that left pass 1/JOIN_SHARE of it or a prefill comes; the
-    others' tokens are those alone, and every row and slot is back at the end."""
-    items = [{"i": i, "n": 3 + i % 20} for i in range(40)]
+    others' tokens are those alone, and every row and slot is back at the end. (The same on a GPU, running
+    ahead for real: `test_fused_engine.py`.)"""
     reference = make_backend("llama", cache_budget=0)
-    expected = [(await lmq.Query(SPREAD, model=reference).run(x)).variables for x in items]
+    expected = [(await lmq.Query(SPREAD, model=reference).run(x)).variables for x in SPREAD_ITEMS]
     backend = make_backend("llama")
     monkeypatch.setattr(type(backend.runner), "ahead_pending", property(lambda self: True))
-    fed, decode = [], backend.runner.decode
-
-    def record(pool, rows, tokens, *args, **kwargs):
-        fed.append(tokens.count(-1))
-        return decode(pool, rows, tokens, *args, **kwargs)
-    monkeypatch.setattr(backend.runner, "decode", record)
-    got = await asyncio.gather(*(lmq.Query(SPREAD, model=backend).run(x) for x in items))
-    assert [r.variables for r in got] == expected
-    assert max(fed) >= 1 and max(fed) * JOIN_SHARE <= len(items)  # rows that left were in steps, a few
+    got, left = await run_spread(backend, monkeypatch)
+    assert got == expected
+    assert max(left) >= 1 and max(left) * JOIN_SHARE <= len(SPREAD_ITEMS)  # rows that left were in steps, a few
     s = backend.scheduler
     assert s.pool.rows == 0 and not s.rows and backend.trie.pinned_nodes() == 0
     backend.store.check(backend.trie.node_slots(), [])

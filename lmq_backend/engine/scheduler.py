@@ -270,7 +270,8 @@ class Scheduler:
                 w.most = max(admission.MIN_PART, new // 2)
                 self.waiting.insert(0, w)
                 return
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (self.rows or admission.release_pins(self.waiting, self.store, new)):
+            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (
+                    self.rows or admission.release_pins(self.waiting, self.store, new)):
                 self.waiting.append(w)  # running rows will leave and free their slots, or the cache that waiting
                 return                  # queries kept went: wait for them
             admission.drop(self.store, batch)
