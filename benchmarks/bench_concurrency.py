@@ -10,6 +10,8 @@ a hole of up to 16 free tokens. All N calls run at once (`asyncio.gather`), afte
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample --top-p 0.9   (and a nucleus)
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --where 'REGEX(S, r" [a-z ,.]{1,80}")'
                                                 (the hole under a constraint of its own besides the length)
+         python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample --where 'STOPS_AT(S, "x")'
+                                                (holes that end at different steps: rows leave and join)
     CPU: python benchmarks/bench_concurrency.py --device cpu --n 16 128      (the default model, float32)
 """
 from __future__ import annotations
@@ -130,8 +132,10 @@ def main() -> None:
         store.peak_used = store.used_slots
         before = store.used_slots
         asyncio.run(run_n(query, shots, texts[:n]))         # warm-up: same N, fills the trie with the prefix
-        ahead = run_ahead(backend)
+        ahead, steps = run_ahead(backend), []
+        backend.on_step(steps.append)
         seconds = asyncio.run(run_n(query, shots, texts[n:]))
+        backend.on_step(None)
         ahead = [b - a for a, b in zip(ahead, run_ahead(backend))]
         # every token that was live: the prefix once, each call's review and answer (the trie keeps them)
         prefix = len(tokenizer.encode(shots)) if not before else 0
@@ -145,8 +149,10 @@ def main() -> None:
             hf = f"{n / hf_generate(plain, tokenizer, prompts, device, args.hf_chunk, args.sample):.0f}"
         print(f"| {n} | {seconds:.2f} s | {n / seconds:.0f} | {peak / 1e9:.3f} GB | {unique / 1e9:.3f} GB | "
               f"{peak / unique:.2f} | {hf} | {rss_gb() - rss0:.2f} GB |", flush=True)
-        if ahead[0]:  # (the timed round's) how often the device ran a step ahead on its picks, and was right
-            print(f"#   run-ahead steps launched {ahead[0]}, taken {ahead[1]}", flush=True)
+        prefills = [s.batch_size for s in steps if s.kind == "prefill"]  # (the timed round's steps)
+        print(f"#   {len(steps) - len(prefills)} decode steps, {len(prefills)} prefill steps (rows: at most "
+              f"{max(prefills, default=0)}, median {sorted(prefills)[len(prefills) // 2] if prefills else 0})"
+              + (f"; run-ahead steps launched {ahead[0]}, taken {ahead[1]}" if ahead[0] else ""), flush=True)
     s = backend.stats()
     print(f"# hit rate {s.token_hit_rate:.3f}, trie {s.bytes_in_use / 1e9:.2f} GB in {s.nodes} nodes, "
           f"evictions {s.evictions}")
