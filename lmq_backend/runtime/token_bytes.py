@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-__all__ = ["bytes_to_unicode", "token_bytes_table", "tokenizer_length", "eos_ids", "utf8_scan"]
+__all__ = ["bytes_to_unicode", "token_bytes_table", "tokenizer_length", "eos_ids", "utf8_scan", "utf8_continues"]
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -72,6 +72,22 @@ def utf8_scan(b: bytes, pending: int) -> tuple[int, int]:
             chars += 1
             pending = 1 if 0xC0 <= c < 0xE0 else 2 if 0xE0 <= c < 0xF0 else 3 if 0xF0 <= c < 0xF8 else 0
     return chars, pending
+
+
+def utf8_continues(b: bytes, pending: int) -> bool:
+    """Do bytes `b` keep UTF-8 well-formed after `pending` expected continuation bytes: the continuation bytes
+    first, then whole characters (the last of them maybe unfinished)? Lead bytes as `utf8_scan` reads them;
+    C0, C1 and F5-FF, which no character starts with, not."""
+    for c in b:
+        if c & 0xC0 == 0x80:
+            if not pending:
+                return False
+            pending -= 1
+        elif pending or 0x80 <= c < 0xC2 or c >= 0xF5:
+            return False
+        else:
+            pending = 1 if c >= 0xC2 and c < 0xE0 else 2 if 0xE0 <= c < 0xF0 else 3 if c >= 0xF0 else 0
+    return True
 
 
 def eos_ids(tokenizer: Any) -> set[int]:

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .prefix_encode import PrefixEncoder
-from .token_bytes import bytes_to_unicode, eos_ids, token_bytes_table, tokenizer_length, utf8_scan
+from .token_bytes import bytes_to_unicode, eos_ids, token_bytes_table, tokenizer_length, utf8_continues, utf8_scan
 
 __all__ = ["VocabIndex", "bytes_to_unicode"]
 
@@ -276,6 +276,20 @@ class VocabIndex:
             nxt.flags.writeable = False
             hit = self._utf8[pending] = (chars, nxt)
         return hit
+
+    def utf8_continuing(self, pending: int) -> np.ndarray:
+        """bool [size], read-only: the tokens that keep a value's UTF-8 well-formed where its last character
+        still expects `pending` (1-3) continuation bytes (`utf8_continues`): every token a constraint over
+        text allows there, so that a pick among them, checked against the constraint, is a pick among what it
+        allows (`backend/hole_loop.py`)."""
+        def build() -> np.ndarray:
+            out = np.zeros(self.size, dtype=bool)
+            for i in np.flatnonzero((self.n_bytes > 0) & self.nonspecial).tolist():
+                b = self.token_bytes[i]
+                out[i] = b[0] & 0xC0 == 0x80 and utf8_continues(b, pending)
+            out.flags.writeable = False
+            return out
+        return self.memo(("utf8_continuing", pending), build)
 
     def memo(self, key: Any, build) -> Any:
         """A value memoized on this index under `key` (built by `build()` the first time)."""

@@ -1,0 +1,74 @@
+"""A checked pick (`backend/hole_loop.py`) proposes from the tokens that may extend a value, or, inside a UTF-8
+character, from those that keep it well-formed (`VocabIndex.utf8_continuing`); the pick is the constrained one
+only because that set holds every token the constraint allows: checked here for llguidance's REGEX, JSON and
+GRAMMAR states within characters of 2, 3 and 4 bytes, and end to end (greedy tokens equal those of masks before
+every pick)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import lmq_backend as lmq
+from constraint_sim import call, compiled
+from lmq_backend.backend.hole_loop import HoleLoop
+from lmq_backend.runtime.constraints.hole import HoleState
+from lmq_backend.runtime.token_bytes import utf8_continues
+
+
+def test_utf8_continues():
+    assert utf8_continues(b"\xa9", 1) and utf8_continues(b"\xa9abc\xc3", 1) and utf8_continues(b"\x82\xac", 2)
+    assert not utf8_continues(b"a", 1)              # a character where a continuation byte is expected
+    assert not utf8_continues(b"\x82\xac", 1)       # one continuation byte too many
+    assert not utf8_continues(b"\xa9\xc0", 1)       # C0 starts no character
+    assert utf8_continues(b"\xe2\x82", 0) and not utf8_continues(b"\x82", 0)
+
+
+@pytest.mark.parametrize("constraint", [
+    call("REGEX", "X", r"[^\n]{1,60}"),
+    call("REGEX", "X", r"(.|\n)*"),
+    call("REGEX", "X", r"[é€😀a-z]+"),
+    call("JSON", "X", {"type": "object", "properties": {"name": {"type": "string"}}}),
+    call("GRAMMAR", "X", 'start: WORD+\nWORD: /[^ ]+/ " "?\n'),
+], ids=["line", "any", "some", "json", "grammar"])
+def test_what_a_constraint_allows_within_a_character_is_among_the_proposal(vocab, constraint):
+    """After a lead byte of 2, 3, 4 bytes (and after some continuation bytes), every token llguidance allows
+    keeps the text well-formed: the proposal's set holds the allowed one."""
+    hc = compiled(constraint, vocab)
+    opening = vocab.encode('{"name": "') if constraint.func == "JSON" else []
+    checked = 0
+    for char in ("é", "€", "😀"):
+        raw = char.encode()
+        for cut in range(1, len(raw)):  # the value ends inside the character, `len(raw) - cut` bytes to come
+            state = hc.start()
+            for t in opening + [int(vocab.ids_of(raw[i:i + 1])[0]) for i in range(cut)]:
+                assert state.allows(t), (vocab.token_bytes[t], state.text)
+                state.advance(t)
+            allowed = state.allowed()
+            assert allowed is not None and allowed.any()
+            assert not (allowed & ~vocab.utf8_continuing(len(raw) - cut)).any(), (char, cut)
+            checked += 1
+    assert checked == 6
+
+
+SRC = '''"{x} in symbols:[S]" where REGEX(S, r"[é€😀ü]{3,8}") and len(TOKENS(S)) < 16'''
+
+
+async def test_greedy_picks_within_characters_equal_those_under_masks(make_backend, monkeypatch):
+    """Values of multi-byte characters, greedy: the tokens equal those of masks before every pick, and picks
+    were proposed within characters."""
+    inputs = [{"x": f"Line {i}" + " and more" * (i % 3)} for i in range(12)]
+    proposals, proposal = [], lmq.HFBackend._proposal
+
+    def count(self, pending):
+        proposals.append(pending)
+        return proposal(self, pending)
+    monkeypatch.setattr(lmq.HFBackend, "_proposal", count)
+    backend = make_backend("llama")
+    got = [r.variables for r in await asyncio.gather(*(lmq.Query(SRC, model=backend).run(x) for x in inputs))]
+    assert any(proposals) and all(k in (0, 1, 2, 3) for k in proposals)
+    monkeypatch.setattr(HoleState, "checks_tokens", property(lambda self: False))  # a mask before every pick
+    reference = make_backend("llama", cache_budget=0)
+    assert [(await lmq.Query(SRC, model=reference).run(x)).variables for x in inputs] == got
+    assert all(set(v["S"]) <= set("é€😀ü") for v in got)
