@@ -21,9 +21,9 @@ a token outside it ends the hole, allowed or not.
 The unconstrained pick is one among the tokens that may extend a value, or, inside a UTF-8 character that
 expects k more bytes, among those that keep the text well-formed (`VocabIndex.utf8_continuing(k)`): there a
 pick among all tokens is refused almost always (a random model sampled at N = 1,024: 95 of its 101 refused
-draws came there), and a refused pick draws again on the host, which discards a step the device ran ahead. Either set
-holds every token the constraint allows (llguidance's expressions are over text: `test_proposal.py` checks
-it), which is what makes the checked pick the constrained one.
+draws came there), and a refused pick draws again on the host, which discards a step the device ran
+ahead. Either set holds every token the constraint allows (llguidance's expressions are over text:
+`test_proposal.py` checks it), which is what makes the checked pick the constrained one.
 """
 from __future__ import annotations
 

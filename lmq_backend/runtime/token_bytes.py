@@ -86,7 +86,7 @@ def utf8_continues(b: bytes, pending: int) -> bool:
         elif pending or 0x80 <= c < 0xC2 or c >= 0xF5:
             return False
         else:
-            pending = 1 if c >= 0xC2 and c < 0xE0 else 2 if 0xE0 <= c < 0xF0 else 3 if c >= 0xF0 else 0
+            pending = 0 if c < 0x80 else 1 if c < 0xE0 else 2 if c < 0xF0 else 3
     return True
 
 

@@ -282,11 +282,14 @@ class VocabIndex:
         still expects `pending` (1-3) continuation bytes (`utf8_continues`): every token a constraint over
         text allows there, so that a pick among them, checked against the constraint, is a pick among what it
         allows (`backend/hole_loop.py`)."""
+        def starting() -> list[int]:  # the tokens that begin with a continuation byte (a few dozen)
+            tb = self.token_bytes
+            return [i for i in np.flatnonzero(self.nonspecial).tolist() if tb[i] and tb[i][0] & 0xC0 == 0x80]
+
         def build() -> np.ndarray:
             out = np.zeros(self.size, dtype=bool)
-            for i in np.flatnonzero((self.n_bytes > 0) & self.nonspecial).tolist():
-                b = self.token_bytes[i]
-                out[i] = b[0] & 0xC0 == 0x80 and utf8_continues(b, pending)
+            tb = self.token_bytes
+            out[[i for i in self.memo("utf8_starting", starting) if utf8_continues(tb[i], pending)]] = True
             out.flags.writeable = False
             return out
         return self.memo(("utf8_continuing", pending), build)
