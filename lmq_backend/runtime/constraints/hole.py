@@ -10,7 +10,10 @@ What the backend calls, per token of the value (`HFBackend.generate`):
         end_ok = state.can_end()              # the value satisfies the constraint now (the hole may end)
         ok = state.allows(token)              # allowed()[token], without the whole mask where cheaper;
                                               # asked only where state.checks_tokens (both optional: a
-                                              # state without them is asked for its masks)
+                                              # state without them is asked for its masks). A state that
+                                              # checks tokens constrains text: inside a UTF-8 character it
+                                              # allows only tokens that keep it well-formed (the engine
+                                              # proposes its picks among those: backend/hole_loop.py)
         stop = state.advance(token)           # append a token from allowed(); a `Stop` when a stop rule
                                               # (STOPS_AT, STOPS_BEFORE, len(TOKENS(X)) < n) fired
     value = stop.text if stop else state.text
