@@ -35,7 +35,8 @@ def _expected(logits, masks):
 
 
 CASES = [(1, 7, 1, 0), (3, BLOCK + 17, 3, 1), (5, 3 * BLOCK, 4, 2), (2, 2 * BLOCK + 1, 2, 3),
-         (1, 5 * BLOCK + 3, 3, 6)]   # one row: a split of V per tile, the maximum tied across splits
+         (1, 5 * BLOCK + 3, 3, 6),   # one row: a split of V per tile, the maximum tied across splits
+         (4, 2 * BLOCK + 5, 5, 7)]   # the engine's five masks (free steps', and within UTF-8 characters)
 
 
 @needs_interp
@@ -61,7 +62,7 @@ def test_interpreter_in_subprocess():
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES + [(256, 128256, 2, 5)])
+@pytest.mark.parametrize("case", CASES + [(256, 128256, 2, 5), (256, 49152, 5, 8)])
 def test_cuda_matches_the_engines_pick(case, dtype):
     logits, masks = _case(*case, dtype=dtype, device="cuda")
     assert torch.equal(masked_argmax_k(logits, masks).cpu(), _expected(logits, masks))
