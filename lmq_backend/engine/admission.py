@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from ..cache.kv_store import OutOfSlots
+from ..errors import LMQBackendError
 from .runner import PrefillRow
 
 if TYPE_CHECKING:
@@ -149,6 +151,28 @@ def join_delay(waiting: int, seats: int, running: int, prefill_seconds: float, s
     if not running or min(waiting, seats) * JOIN_SHARE >= running:
         return 0.0
     return max(0.0, PATIENCE * prefill_seconds - since_prefill)
+
+
+def requeue_alone(w: Waiting, e: Exception, waiting: list[Waiting], store: KVStore, running: bool
+                  ) -> Exception | None:
+    """A request whose prefill failed alone with `e`: queued again where waiting may help (None) — out of
+    memory with more than MIN_PART new tokens: first, in parts of half as many; out of memory or K/V slots
+    while rows run (they will leave and free theirs) or pins of waiting requests could go: last — else the
+    error its query gets (what its parts held freed)."""
+    new = len(w.step_row().ids)
+    if isinstance(e, torch.OutOfMemoryError) and new > MIN_PART:
+        w.most = max(MIN_PART, new // 2)
+        waiting.insert(0, w)
+        return None
+    short = isinstance(e, (torch.OutOfMemoryError, OutOfSlots))
+    if short and (running or release_pins(waiting, store, new)):
+        waiting.append(w)
+        return None
+    drop(store, [w])
+    if not short:
+        return e
+    what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
+    return LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
 
 
 def release_pins(waiting: list[Waiting], store: KVStore, evict: int = 0) -> bool:

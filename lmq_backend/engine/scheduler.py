@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ..cache.kv_store import KVStore, OutOfSlots
+from ..cache.kv_store import KVStore
 from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
 from . import admission
@@ -265,21 +265,9 @@ class Scheduler:
                 await self._prefill(batch[:half])
                 await self._prefill(batch[half:])
                 return
-            w, new = batch[0], len(batch[0].step_row().ids)
-            if isinstance(e, torch.OutOfMemoryError) and new > admission.MIN_PART:  # in smaller parts
-                w.most = max(admission.MIN_PART, new // 2)
-                self.waiting.insert(0, w)
-                return
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)) and (
-                    self.rows or admission.release_pins(self.waiting, self.store, new)):
-                self.waiting.append(w)  # running rows will leave and free their slots, or the cache that waiting
-                return                  # queries kept went: wait for them
-            admission.drop(self.store, batch)
-            error = e  # its own prefill fails alone: that query gets the error
-            if isinstance(e, (torch.OutOfMemoryError, OutOfSlots)):
-                what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
-                error = LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
-            w.future.set_exception(error)
+            error = admission.requeue_alone(batch[0], e, self.waiting, self.store, bool(self.rows))
+            if error is not None:  # its own prefill fails alone: that query gets the error
+                batch[0].future.set_exception(error)
             return
         if batch[0].partial:  # (alone) a part of a long prompt: its K/V are the cached prefix of the next part
             w = batch[0]
