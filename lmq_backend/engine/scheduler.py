@@ -173,7 +173,8 @@ class Scheduler:
             ran = False
             self._stepping = True
             try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
-                live, ready = self._live(), self._ready()
+                live = self._live()
+                ready = self._ready(live)
                 # prefills first (rows join the batch as early as they can, when worth a step); a prefill
                 # that cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile
                 # (after a part of a long prompt, the running rows take a step before its next part)
@@ -202,9 +203,10 @@ class Scheduler:
         """The running rows that have not left (rows that left may stay in the batch a while: `_run`)."""
         return sum(row.live for row in self.rows)
 
-    def _ready(self) -> bool:
-        """Does every running row have its next token (a decode step can run)?"""
-        live = self._live()
+    def _ready(self, live: int | None = None) -> bool:
+        """Does every running row (`live` of them, if counted already) have its next token (a decode step can
+        run)?"""
+        live = self._live() if live is None else live
         return live > 0 and len(self.decodes) == live
 
     def _joins_now(self, live: int) -> bool:
