@@ -13,6 +13,7 @@ import pytest
 import lmq_backend as lmq
 from lmq_backend.engine import admission
 from lmq_backend.engine.admission import JOIN_SHARE, PATIENCE
+from lmq_backend.engine.fused.graphs import bucket_for
 
 BUSY = '"Count to many:[A]" where len(TOKENS(A)) < 90'
 LATE = '"Late {i}:[B]" where len(TOKENS(B)) < 4'
@@ -63,31 +64,35 @@ SPREAD = '"Item {i}:[A]" where len(TOKENS(A)) < n and STOPS_AT(A, "x")'
 SPREAD_ITEMS = [{"i": i, "n": 3 + i % 20} for i in range(40)]
 
 
-async def run_spread(backend, monkeypatch) -> tuple[list[dict], list[int]]:
+async def run_spread(backend, monkeypatch) -> tuple[list[dict], list[tuple[int, int]]]:
     """The SPREAD_ITEMS at once (holes of 3-22 tokens, fewer where one stops: rows leave at many steps): their
-    variables, and how many rows that left each decode step fed (token -1)."""
-    left, decode = [], backend.runner.decode
+    variables, and per decode step (rows that left fed: token -1, rows)."""
+    steps, decode = [], backend.runner.decode
 
     def record(pool, rows, tokens, *args, **kwargs):
-        left.append(tokens.count(-1))
+        steps.append((tokens.count(-1), len(tokens)))
         return decode(pool, rows, tokens, *args, **kwargs)
     monkeypatch.setattr(backend.runner, "decode", record)
     got = await asyncio.gather(*(lmq.Query(SPREAD, model=backend).run(x) for x in SPREAD_ITEMS))
-    return [r.variables for r in got], left
+    return [r.variables for r in got], steps
 
 
 async def test_rows_that_left_stay_while_a_step_runs_ahead(make_backend, monkeypatch):
-    """As if the device always ran a step ahead: holes of different lengths end at different steps, their rows
-    stay in the batch (fed any token) until rows that left pass 1/JOIN_SHARE of it or a prefill comes; the
-    others' tokens are those alone, and every row and slot is back at the end. (The same on a GPU, running
-    ahead for real: `test_fused_engine.py`.)"""
+    """As if the device always ran a step ahead, in steps of power-of-two buckets (a GPU's CUDA graphs): holes
+    of different lengths end at different steps, their rows stay in the batch (fed any token) until a prefill
+    comes or the live rows fit a smaller bucket; the others' tokens are those alone, and every row and slot is
+    back at the end. (The same on a GPU, running ahead for real: `test_fused_engine.py`.)"""
     reference = make_backend("llama", cache_budget=0)
     expected = [(await lmq.Query(SPREAD, model=reference).run(x)).variables for x in SPREAD_ITEMS]
     backend = make_backend("llama")
-    monkeypatch.setattr(type(backend.runner), "ahead_pending", property(lambda self: True))
-    got, left = await run_spread(backend, monkeypatch)
+    runner = type(backend.runner)
+    monkeypatch.setattr(runner, "ahead_pending", property(lambda self: True))
+    monkeypatch.setattr(runner, "step_rows", lambda self, n: bucket_for(n, self.max_batch))
+    got, steps = await run_spread(backend, monkeypatch)
     assert got == expected
-    assert max(left) >= 1 and max(left) * JOIN_SHARE <= len(SPREAD_ITEMS)  # rows that left were in steps, a few
+    assert any(left * 4 > rows for left, rows in steps)  # rows that left stayed in steps, never a bucket's worth
+    m = backend.runner.max_batch
+    assert all(bucket_for(rows - left, m) == bucket_for(rows, m) for left, rows in steps)
     s = backend.scheduler
     assert s.pool.rows == 0 and not s.rows and backend.trie.pinned_nodes() == 0
     backend.store.check(backend.trie.node_slots(), [])

@@ -120,6 +120,10 @@ class ModelRunner:
         rows had better stay put: the next step takes it only for the same rows."""
         return self._decoder is not None and self._decoder[0].ahead_pending
 
+    def step_rows(self, n: int) -> int:
+        """The rows a decode step of n rows computes (a CUDA-graph step: its bucket's, `FusedDecoder.rows_run`)."""
+        return n if self._decoder is None else self._decoder[0].rows_run(n)
+
     def _fused_decoder(self, pool: KVPool):
         table = pool.device_table()
         if self._decoder is None or self._decoder[1] is not table:  # the table was regrown

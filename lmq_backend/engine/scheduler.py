@@ -180,12 +180,12 @@ class Scheduler:
                 # (after a part of a long prompt, the running rows take a step before its next part)
                 prefill = not (self._after_part and ready) and bool(self.waiting) and self._joins_now(live)
                 self._after_part = False
-                # Rows that left stay in the batch for a decode step while the device runs one ahead: moving
+                # Rows that left stay in the batch for decode steps while the device runs one ahead: moving
                 # the rows would discard it (holes that end at random lengths leave every step at 1,000s of
-                # rows), and a row more costs a GPU step next to nothing. A prefill (which discards it
-                # anyway), or rows that left passing 1/JOIN_SHARE of the batch, move them out.
+                # rows), and a step computes its bucket's rows anyway (`ModelRunner.step_rows`). A prefill
+                # (which discards it anyway), or the live rows fitting a smaller step, move them out.
                 if prefill or not ready or not self.runner.ahead_pending or (
-                        len(self.rows) - live) * admission.JOIN_SHARE > len(self.rows):
+                        self.runner.step_rows(live) < self.runner.step_rows(len(self.rows))):
                     self._compact()
                 ran = prefill and await self._prefill_step()
                 if not ran and ready:

@@ -48,6 +48,7 @@ import torch
 
 from lmq_kernels import NewToken, cpu, decode_attention
 from lmq_kernels.cpu_layout import padded_stride
+from lmq_kernels.masked_argmax import MaskedPicks
 
 from ..attention import grouped_attention
 from .cpu_step import head_panels, layer_panels, run_layers
@@ -111,6 +112,7 @@ class FusedDecoder(GraphSteps, Prefill):
         self._graph_pool = None
         # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
         self.masks = None
+        self._masked_picks = None    # `MaskedPicks` under them (a GPU's)
         self.picks: DevicePicks | None = None
         self._ahead_key = None       # the state a launched run-ahead step assumed, see `run_ahead`
         self._last = None            # (key, starts) of the last step from `step_host`
@@ -121,6 +123,7 @@ class FusedDecoder(GraphSteps, Prefill):
         if greedy_masks and self.cuda:
             self.masks = torch.stack([torch.ones(self.vocab, dtype=torch.bool, device=dev) if m is None
                                       else m.to(dev, torch.bool) for m in greedy_masks])  # [K, V]
+            self._masked_picks = MaskedPicks(self.masks)
             # per mask the greedy picks, then (row K) the sampled ones
             self.guess = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, device=dev)
             self._guess_host = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, pin_memory=True)
@@ -201,7 +204,11 @@ class FusedDecoder(GraphSteps, Prefill):
         if not 0 <= end < self.S:
             raise ValueError(f"end {end} outside the pool's capacity {self.S}")
         self._end_int, self._nrows_int = int(end), B
-        # CUDA graphs replay per bucket of batch sizes; eager steps (the CPU) run exactly B rows
+        return self.rows_run(B)
+
+    def rows_run(self, B: int) -> int:
+        """The rows a step of B rows computes: CUDA graphs replay per bucket of batch sizes (`bucket_for`);
+        eager steps (the CPU) run exactly B rows."""
         return bucket_for(B, self.max_batch) if self.use_graphs else B
 
     @torch.inference_mode()
