@@ -24,9 +24,10 @@ import triton.language as tl
 
 from .decode_attention import interpreter_active, sm_count
 
-__all__ = ["masked_argmax_k", "masked_argmax_k_reference"]
+__all__ = ["MaskedPicks", "masked_argmax_k", "masked_argmax_k_reference"]
 
 BLOCK = 1024
+SPARSE_SHARE = 64  # a mask allowing at most 1/SPARSE_SHARE of the tokens is picked from its token list
 
 
 @triton.jit(do_not_specialize=["K", "CHUNK", "SPLITS"])  # one compiled kernel for every batch size
@@ -116,3 +117,42 @@ def masked_argmax_k(logits: torch.Tensor, masks: torch.Tensor, out: torch.Tensor
                               S_PAD=triton.next_power_of_2(min(tiles, 2 * sm_count(logits.device))))  # splits)
     return out
 
+
+
+class MaskedPicks:
+    """`masked_argmax_k` under a fixed set of masks [K, V], where a mask that allows few tokens (at most
+    1/SPARSE_SHARE of V: a UTF-8 character's continuations, ~70 of 49,152 tokens) is picked by gathering
+    those tokens' logits instead of one more row of every tile (an H100, 256 rows x 128,256 tokens: five
+    masks 282 us, two 105 us). Same picks: a mask's tokens are kept in increasing order, so the first of
+    tied maxima wins; padding is -inf. CUDA-graph friendly once built (no host reads)."""
+
+    def __init__(self, masks: torch.Tensor):
+        K, V = masks.shape
+        counts = masks.sum(1).tolist()
+        sparse = [k for k, c in enumerate(counts) if 0 < c * SPARSE_SHARE <= V]
+        dense = [k for k in range(K) if k not in sparse]
+        dev = masks.device
+        self.dense = masks[dense].contiguous()
+        self._dense_at = torch.tensor(dense, dtype=torch.int64, device=dev)
+        self._dense_first = dense == list(range(len(dense)))  # written in place: out[:len(dense)]
+        self._sparse_at = torch.tensor(sparse, dtype=torch.int64, device=dev)
+        width = max((counts[k] for k in sparse), default=0)
+        self._tokens = torch.zeros(len(sparse), width, dtype=torch.int64, device=dev)
+        self._pad = torch.ones(len(sparse), width, dtype=torch.bool, device=dev)
+        for j, k in enumerate(sparse):
+            ids = masks[k].nonzero()[:, 0]  # increasing
+            self._tokens[j, :len(ids)] = ids
+            self._pad[j, :len(ids)] = False
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` [K, B] (int64, last stride 1) := the picks of `logits` [B, V] under each mask."""
+        if len(self.dense):
+            if self._dense_first:
+                masked_argmax_k(logits, self.dense, out=out[:len(self.dense)])
+            else:
+                out.index_copy_(0, self._dense_at, masked_argmax_k(logits, self.dense))
+        if len(self._tokens):
+            tokens = self._tokens
+            vals = logits[:, tokens.flatten()].view(-1, *tokens.shape).float().masked_fill(self._pad, float("-inf"))
+            out.index_copy_(0, self._sparse_at, tokens.gather(1, vals.argmax(-1).T))
+        return out

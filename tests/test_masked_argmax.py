@@ -9,7 +9,7 @@ import pytest
 import torch
 from interpreted import needs_cuda, needs_interp, rerun_interpreted
 from lmq_backend.engine.picks import masked_argmax
-from lmq_kernels.masked_argmax import BLOCK, masked_argmax_k
+from lmq_kernels.masked_argmax import BLOCK, SPARSE_SHARE, MaskedPicks, masked_argmax_k
 
 
 
@@ -56,6 +56,31 @@ def test_writes_into_a_strided_out():
     assert torch.equal(buf[:, :3], _expected(logits, masks)) and buf[:, 3:].eq(-1).all()
 
 
+def _sparse_case(B, V, seed, dtype=torch.float32, device="cpu"):
+    """The engine's five masks: everything, most tokens, and three of few tokens (one ordered before a dense
+    one), the maxima tied within them."""
+    logits, _ = _case(B, V, 1, seed, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    masks = torch.zeros(5, V, dtype=torch.bool)
+    masks[0] = True
+    masks[2] = torch.rand(V, generator=gen) < 0.7
+    for k, n in ((1, V // SPARSE_SHARE), (3, 1), (4, 7)):
+        masks[k, torch.randperm(V, generator=gen)[:n]] = True
+    logits[:, masks[4]] = 9  # a tie across the few-token mask: its first token wins
+    return logits.to(device), masks.to(device)
+
+
+@needs_interp
+@pytest.mark.parametrize("case", [(3, 2 * BLOCK + 5, 0), (1, 3 * BLOCK, 1)])
+def test_few_token_masks_pick_from_their_tokens(case):
+    logits, masks = _sparse_case(*case)
+    picks = MaskedPicks(masks)
+    assert len(picks.dense) == 2  # masks 1, 3, 4 gather
+    out = torch.full((5, case[0]), -1, dtype=torch.int64)
+    assert torch.equal(picks(logits, out), _expected(logits, masks))
+    assert out[4].eq(masks[4].nonzero()[0, 0]).all()
+
+
 def test_interpreter_in_subprocess():
     rerun_interpreted(__file__)
 
@@ -66,3 +91,12 @@ def test_interpreter_in_subprocess():
 def test_cuda_matches_the_engines_pick(case, dtype):
     logits, masks = _case(*case, dtype=dtype, device="cuda")
     assert torch.equal(masked_argmax_k(logits, masks).cpu(), _expected(logits, masks))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [(256, 128256, 0), (200, 49152, 1), (3, 2 * BLOCK + 5, 2)])
+def test_cuda_few_token_masks_pick_from_their_tokens(case, dtype):
+    logits, masks = _sparse_case(*case, dtype=dtype, device="cuda")
+    out = torch.empty(5, case[0], dtype=torch.int64, device="cuda")
+    assert torch.equal(MaskedPicks(masks)(logits, out).cpu(), _expected(logits, masks))

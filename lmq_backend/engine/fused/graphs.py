@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmq_kernels.masked_argmax import masked_argmax_k
 from lmq_kernels.sample_rows import sample_rows
 
 from ..picks import inverse_cdf, masked_argmax
@@ -32,15 +31,15 @@ class GraphSteps:
     state."""
 
     def _pick_and_advance(self, bp: int) -> None:
-        """Greedy picks under each mask (`masked_argmax_k`: the picks of `masked_argmax`, as `Greedy.select`
+        """Greedy picks under each mask (`MaskedPicks`: the picks of `masked_argmax`, as `Greedy.select`
         picks, in one pass over the logits), where a row's pick is sampled (a `sampling` step) its sample
         under its `ahead` mask at its `u` (`sample_rows`, as `picks.sample` samples), and, in a captured step,
         the inputs of the step after it: each row's pick, one position and one column further (a run-ahead
         replays the same graph on them)."""
         k = len(self.masks)
         logits, picks = self.logits[:bp], self.guess[:k, :bp]
-        if self.triton:  # one pass over the logits for every mask
-            masked_argmax_k(logits, self.masks, out=picks)
+        if self.triton:  # one pass over the logits for every mask (few-token masks: a gather)
+            self._masked_picks(logits, picks)
         else:
             picks.copy_(masked_argmax(logits[None], self.masks[:, None]))  # [K, bp]
         mask = self.ahead[:bp].long()
