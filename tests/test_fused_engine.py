@@ -164,6 +164,35 @@ async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
     assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_steps_run_ahead_pick_within_characters_under_the_masks_the_host_moves_to(tokenizer, monkeypatch):
+    """Sampled REGEX values (checked picks): a row's mask changes where a token begins or ends a UTF-8
+    character; the device moves it as the host does (`Proposals.after`), so a step run ahead samples under
+    the next one. Against a backend whose device makes no picks: the same values, float32; most steps were
+    taken from a run-ahead, some with rows inside a character."""
+    from lmq_backend.engine.fused import FusedDecoder
+
+    ahead, plain = ahead_and_plain(llama("cuda", 256, 2, 4), tokenizer)
+    src = 'sample(temperature=1.0, seed=4)\n"{x}:[S]" where REGEX(S, r"[^\\n]{1,200}") and len(TOKENS(S)) < 32\n'
+    inputs = [{"x": f"Line {i}" + " and more" * (i % 3)} for i in range(64)]
+    want = [r.variables for r in await asyncio.gather(*(lmq.Query(src, model=plain).run(x) for x in inputs))]
+    taken, take = [], FusedDecoder._take_ahead
+
+    def record(self, *args):
+        ok = take(self, *args)
+        if ok:
+            taken.append(set(self.picks._wait()[-1][:self.picks.rows]))  # the masks it picked under
+        return ok
+    monkeypatch.setattr(FusedDecoder, "_take_ahead", record)
+    got = [r.variables for r in await asyncio.gather(*(lmq.Query(src, model=ahead).run(x) for x in inputs))]
+    assert got == want
+    decoder = ahead.runner._decoder[0]
+    assert decoder.took_ahead >= decoder.ran_ahead // 2 > 0
+    families = ahead._proposals.families
+    within = {k for k, g in enumerate(ahead._greedy_masks) for f in (False, True) if any(g is m for m in families[f][1:])}
+    assert any(masks & within for masks in taken)
+
+
 def compiled_variants() -> dict[str, int]:
     """How many compiled variants each of the engine's Triton kernels holds (on the current GPU)."""
     from lmq_backend.engine.fused.kernels import _rmsnorm_kernel, _rope_append_kernel, _silu_mul_kernel

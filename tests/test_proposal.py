@@ -9,10 +9,12 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 import lmq_backend as lmq
 from constraint_sim import call, compiled
 from lmq_backend.backend.hole_loop import HoleLoop
+from lmq_backend.backend.proposals import Proposals
 from lmq_backend.runtime.constraints.hole import HoleState
 from lmq_backend.runtime.token_bytes import utf8_continues
 
@@ -52,6 +54,30 @@ def test_what_a_constraint_allows_within_a_character_is_among_the_proposal(vocab
     assert checked == 6
 
 
+def test_a_rows_next_mask_on_the_device_is_the_hole_loops(vocab):
+    """`Proposals.after` (how a step run ahead on the GPU picks a row's next token) moves a row between the
+    masks as the hole loop does: by the UTF-8 bytes a token leaves pending, within the family of whether the
+    value could end where the character began; every token (free holes) stays every token."""
+    props = Proposals(vocab, ~vocab.special, None, torch.device("cpu"))
+    index = {id(m): k for k, m in enumerate(props.masks)}
+    assert len(index) == len(props.masks) == 9 and (props.after[0] == 0).all()
+    tb = vocab.token_bytes
+    ascii_ = [i for i in range(vocab.size) if tb[i] and tb[i].isascii()][:500]
+    leaves = [i for i in range(vocab.size) if vocab.utf8_tables(0)[1][i] > 0]    # ends inside a character
+    goes_on = np.flatnonzero(vocab.utf8_continuing(1) | vocab.utf8_continuing(2)).tolist()
+    rng = np.random.default_rng(0)
+    seen = set()
+    for could_end in (False, True):
+        pending = 0
+        for _ in range(3000):
+            t = int(rng.choice([ascii_, leaves, goes_on][rng.integers(3)]))
+            k = index[id(props.mask(pending, could_end))]
+            pending = int(vocab.utf8_tables(pending)[1][t])
+            assert props.after[k, t] == index[id(props.mask(pending, could_end))]
+            seen.add((k, pending))
+    assert {p for _, p in seen} == {0, 1, 2, 3} and len({k for k, _ in seen}) == 8
+
+
 SRC = '''"{x} in symbols:[S]" where REGEX(S, r"[é€😀ü]{3,8}") and len(TOKENS(S)) < 16'''
 
 
@@ -59,12 +85,12 @@ async def test_greedy_picks_within_characters_equal_those_under_masks(make_backe
     """Values of multi-byte characters, greedy: the tokens equal those of masks before every pick, and picks
     were proposed within characters."""
     inputs = [{"x": f"Line {i}" + " and more" * (i % 3)} for i in range(12)]
-    proposals, proposal = [], lmq.HFBackend._proposal
+    proposals, proposal = [], Proposals.mask
 
-    def count(self, pending):
+    def count(self, pending, can_end):
         proposals.append(pending)
-        return proposal(self, pending)
-    monkeypatch.setattr(lmq.HFBackend, "_proposal", count)
+        return proposal(self, pending, can_end)
+    monkeypatch.setattr(Proposals, "mask", count)
     backend = make_backend("llama")
     got = [r.variables for r in await asyncio.gather(*(lmq.Query(SRC, model=backend).run(x) for x in inputs))]
     assert any(proposals) and all(k in (0, 1, 2, 3) for k in proposals)

@@ -29,6 +29,7 @@ from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
 from .hole_loop import HoleLoop
+from .proposals import Proposals
 from .protocol import Backend, NextTokens, Sequence
 from .vocab_cache import vocab_index
 
@@ -152,15 +153,11 @@ class HFBackend(Backend):
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
         self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
-        # within a UTF-8 character that expects 1-3 more bytes, the tokens that may go on (the masks a checked
-        # pick proposes there: see hole_loop.py)
-        self._continuing_on_device = [None] + [
-            torch.from_numpy(self._vocab.utf8_continuing(k) & self._extendable).to(self.runner.device)
-            for k in (1, 2, 3)]
-        # the masks of steps without a constraint mask of their own (see generate): fused GPU steps pick under
-        # them on the device, and run the next step ahead on those picks
-        self._greedy_masks = (self._pick_all, self._extendable_on_device, *self._continuing_on_device[1:])
-        self.runner.set_greedy_masks(list(self._greedy_masks))
+        # the masks of steps without a constraint mask of their own (every token; those a checked pick proposes
+        # from: see proposals.py): fused GPU steps pick under them on the device, and run the next step ahead
+        self._proposals = Proposals(self._vocab, self._extendable, self._pick_all, self.runner.device)
+        self._greedy_masks = tuple(self._proposals.masks)
+        self.runner.set_greedy_masks(list(self._greedy_masks), after=self._proposals.after)
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
         self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
@@ -311,11 +308,6 @@ class HFBackend(Backend):
         if not can_end:
             self._check_length(seq, n + 1)
         return True
-
-    def _proposal(self, pending: int) -> torch.Tensor:
-        """The device's mask a checked pick proposes from (`HoleLoop`), where the value's last character
-        expects `pending` more UTF-8 bytes: every token a constraint over text may allow there."""
-        return self._continuing_on_device[pending] if pending else self._extendable_on_device
 
     def _greedy_mask(self, pick) -> int | None:
         """Which of the runner's greedy masks `pick` is (a greedy pick under it may come from the device)."""

@@ -53,6 +53,7 @@ class HoleLoop:
         self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
         self._unchecked = False      # is the next pick made without the constraint (then checked)?
         self._pending = 0            # UTF-8 continuation bytes the value's last character still expects
+        self._could_end = False      # could the value end where its last character began? (`Proposals.mask`)
         self.ahead: int | Draw | None = None
         self.planned = self._plan()
 
@@ -94,10 +95,12 @@ class HoleLoop:
             raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
         if b._ends_at_max_len(self.seq, self.prompt_len + len(self.generated), can_end):
             return False
-        if can_end:
-            pick = b._pick_all
+        if not self._pending:
+            self._could_end = can_end
+        if can_end:  # (a checked row's "every token" is a mask of its own: `Proposals`)
+            pick = b._proposals.mask(0, True) if self._checks and not self._pending else b._pick_all
         else:  # the proposal's mask is on the device already
-            pick = b._proposal(self._pending) if allowed is None else torch.from_numpy(extendable)
+            pick = self._proposal() if allowed is None else torch.from_numpy(extendable)
         self.pick, self.can_end, self.extendable = pick, can_end, extendable
         # how the step may pick for the row: under a greedy mask of the device's, or by this draw
         if self._greedy:  # under a mask of the device's, or the row's own: then a draw at temperature 0, which
@@ -122,7 +125,7 @@ class HoleLoop:
             if self._checks and not self.can_end:  # would the unconstrained pick have held? (then check again;
                 # a sampled row asks the greedy one: a guess for the next pick's mode, never for its token)
                 b = self.backend
-                unconstrained = self.row.device_pick(b._greedy_mask(b._proposal(self._pending)))
+                unconstrained = self.row.device_pick(b._greedy_mask(self._proposal()))
                 self._unchecked_held = unconstrained is not None and bool(self.extendable[unconstrained])
             if self.can_end and not self.extendable[token]:
                 return None  # a token outside the value (EOS, or one the constraint excludes) ends the hole
@@ -133,6 +136,10 @@ class HoleLoop:
         if self.stop is not None or not self._plan():
             return None
         return token, self.ahead
+
+    def _proposal(self) -> torch.Tensor:
+        """The device's mask a checked pick proposes from where the value may not end (`Proposals.mask`)."""
+        return self.backend._proposals.mask(self._pending, self._could_end)
 
     def _checked(self, token: int, logits: torch.Tensor, i: int) -> int | None:
         """The pick under the row's constraint, from the step's pick without it (None: the hole ends). Where

@@ -66,6 +66,7 @@ class ModelRunner:
                 _fused_module().decoder_weights(model)
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
+        self._mask_after: torch.Tensor | None = None  # (see set_greedy_masks)
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
         self._sampled = None  # the last step's `DevicePicks` where it sampled rows on the device (see `sample`)
         # on a GPU: an event that completes with the last step's work (its picks on the host), so that the
@@ -106,12 +107,14 @@ class ModelRunner:
         with model_attention(self.device):
             return compat.forward(self.model, *args, **kwargs)
 
-    def set_greedy_masks(self, masks: list[torch.Tensor | None]) -> None:
+    def set_greedy_masks(self, masks: list[torch.Tensor | None], after: torch.Tensor | None = None) -> None:
         """Token masks (bool [V], None: every token) under which fused GPU steps also pick greedily on the
         device: `picks(k, row)` is then `Greedy().select(logits[row], masks[k])` without a host sync on
         the logits; a row sampled under one of the masks is sampled there too; and a step whose rows all
-        give such a pick (`ahead`) runs the next one ahead on those picks (`FusedDecoder.run_ahead`)."""
-        self.greedy_masks = masks
+        give such a pick (`ahead`) runs the next one ahead on those picks (`FusedDecoder.run_ahead`), each
+        row's under mask `after[k, token]` (int [K, V]: the mask a row picking `token` under mask k will
+        likely pick under next; None: k)."""
+        self.greedy_masks, self._mask_after = masks, after
         self._decoder = None
 
     @property
@@ -128,7 +131,8 @@ class ModelRunner:
         table = pool.device_table()
         if self._decoder is None or self._decoder[1] is not table:  # the table was regrown
             self._decoder = (_fused_module().FusedDecoder(self.model, pool.data, table, self.max_batch,
-                                                          greedy_masks=self.greedy_masks), table)
+                                                          greedy_masks=self.greedy_masks,
+                                                          mask_after=self._mask_after), table)
         return self._decoder[0]
 
     def _fused_decode(self, pool: KVPool, tokens: list[int], ahead: list[int | Draw | None] | None,

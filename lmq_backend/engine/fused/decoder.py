@@ -65,7 +65,7 @@ class FusedDecoder(GraphSteps, Prefill):
     overwrites (clone it to keep it)."""
 
     def __init__(self, model, kv: torch.Tensor, table: torch.Tensor, max_batch: int, use_graphs: bool = True,
-                 greedy_masks: list[torch.Tensor | None] | None = None):
+                 greedy_masks: list[torch.Tensor | None] | None = None, mask_after: torch.Tensor | None = None):
         super().__init__(model, kv, table)
         self.max_batch = min(int(max_batch), table.shape[0])
         self.use_graphs = bool(use_graphs) and self.cuda
@@ -117,16 +117,20 @@ class FusedDecoder(GraphSteps, Prefill):
         self._ahead_key = None       # the state a launched run-ahead step assumed, see `run_ahead`
         self._last = None            # (key, starts) of the last step from `step_host`
         self._specs = ((), {})       # the last `step_host`'s (ahead, draws) (see there)
-        self._ahead_used = ((), {})  # (masks, {row: (temperature, u)}) of the device's inputs
+        self._ahead_draws = {}       # {row: (temperature, u)} of the device's inputs (see `run_ahead`)
+        self._mask_after = None      # [K, V] int32: a row's mask after its pick (see `run_ahead`), or None
         self._run_host = self._run_free = None   # the pinned buffer a run-ahead's picks travel in
         self.ran_ahead = self.took_ahead = 0   # run-ahead steps launched / taken
         if greedy_masks and self.cuda:
             self.masks = torch.stack([torch.ones(self.vocab, dtype=torch.bool, device=dev) if m is None
                                       else m.to(dev, torch.bool) for m in greedy_masks])  # [K, V]
             self._masked_picks = MaskedPicks(self.masks)
-            # per mask the greedy picks, then (row K) the sampled ones
-            self.guess = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, device=dev)
-            self._guess_host = torch.zeros(len(greedy_masks) + 1, n, dtype=torch.int64, pin_memory=True)
+            # per mask the greedy picks, then (row K) the sampled ones, (row K + 1) the mask each row picked under
+            self.guess = torch.zeros(len(greedy_masks) + 2, n, dtype=torch.int64, device=dev)
+            self._guess_host = torch.zeros(len(greedy_masks) + 2, n, dtype=torch.int64, pin_memory=True)
+            if mask_after is not None:
+                assert mask_after.shape == self.masks.shape, "a mask after each mask and token"
+                self._mask_after = mask_after.to(dev, torch.int32).reshape(-1)
             self._run_host = torch.zeros(3 * w, dtype=torch.int32, pin_memory=True)
             self._run_free = torch.cuda.Event()
 
@@ -251,7 +255,7 @@ class FusedDecoder(GraphSteps, Prefill):
         if last is not None and self._take_ahead(last, tokens, end):
             return self.logits[:B]
         masks, draws = self._specs
-        self._last, self._ahead_used = last, (masks, {i: d[:2] for i, d in draws.items()})
+        self._last, self._ahead_draws = last, {i: d[:2] for i, d in draws.items()}
         self.cascade = cascade
         self.sampling = self.masks is not None and bool(draws)
         bp = self._check(B, end)
@@ -266,7 +270,7 @@ class FusedDecoder(GraphSteps, Prefill):
         h[2 * w + B:3 * w] = self.S           # padded rows attend to nothing
         h[w:2 * w] = end - h[2 * w:3 * w]
         h[w + B:2 * w] = 0
-        write_picks(h[3 * w:6 * w], self._ahead_used)
+        write_picks(h[3 * w:6 * w], masks, self._ahead_draws)
         h[6 * w], h[6 * w + 4], h[6 * w + 8] = end, end + 1, B
         self._first_int = min(starts)
         self._inputs.copy_(self._host, non_blocking=True)
@@ -284,6 +288,6 @@ class FusedDecoder(GraphSteps, Prefill):
             if graph is None:
                 graph = self.graphs[key] = self._capture(bp)
             graph.replay()
-        self._copy_picks(B, self._ahead_used)
+        self._copy_picks(B)
         return self.logits[:B]
 

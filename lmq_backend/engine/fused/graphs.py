@@ -33,9 +33,10 @@ class GraphSteps:
     def _pick_and_advance(self, bp: int) -> None:
         """Greedy picks under each mask (`MaskedPicks`: the picks of `masked_argmax`, as `Greedy.select`
         picks, in one pass over the logits), where a row's pick is sampled (a `sampling` step) its sample
-        under its `ahead` mask at its `u` (`sample_rows`, as `picks.sample` samples), and, in a captured step,
-        the inputs of the step after it: each row's pick, one position and one column further (a run-ahead
-        replays the same graph on them)."""
+        under its `ahead` mask at its `u` (`sample_rows`, as `picks.sample` samples), the masks it picked under
+        (row K + 1 of `guess`), and, in a captured step, the inputs of the step after it: each row's pick, one
+        position and one column further, and the mask its next pick will likely use (`_mask_after`; a
+        run-ahead replays the same graph on them)."""
         k = len(self.masks)
         logits, picks = self.logits[:bp], self.guess[:k, :bp]
         if self.triton:  # one pass over the logits for every mask (few-token masks: a gather)
@@ -52,11 +53,14 @@ class GraphSteps:
                 z = torch.where(self.masks[mask], logits.float(), float("-inf"))
                 self.guess[k, :bp].copy_(inverse_cdf(z, torch.where(t > 0, t, 1.0)[:, None], self.u[:bp, None]))
             chosen = torch.where(t > 0, self.guess[k, :bp], chosen)
+        self.guess[k + 1, :bp].copy_(mask)
         if self.use_graphs:
             self.tokens[:bp].copy_(chosen)
             self.positions[:bp].add_(1)
             self.end.add_(1)
             self.end1.add_(1)
+            if self._mask_after is not None:
+                self.ahead[:bp].copy_(self._mask_after[mask * self.vocab + chosen])
 
     def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
         inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
@@ -74,11 +78,12 @@ class GraphSteps:
             self._forward(bp)
         return graph
 
-    def _copy_picks(self, B: int, used: tuple) -> None:
-        """The step's picks on their way to the host; `used`: what it picked with ((masks, {row: (temperature, u)}))."""
+    def _copy_picks(self, B: int) -> None:
+        """The step's picks on their way to the host (with the masks it picked under; its draws' (temperature,
+        u): `_ahead_draws`)."""
         if self.masks is not None:
             self._guess_host.copy_(self.guess, non_blocking=True)
-            self.picks = DevicePicks(self._guess_host, B, used)
+            self.picks = DevicePicks(self._guess_host, B, self._ahead_draws)
 
     # ------------------------------------------------------------------------------------- running ahead
     def run_ahead(self) -> bool:
@@ -88,15 +93,16 @@ class GraphSteps:
         step again when everything it depends on is what the run-ahead assumed: the same `key` (the
         caller's name for the pool's rows and contents), starts, end + 1, and as tokens the device's picks;
         any other call discards it. Steps are deterministic, so a taken run-ahead step is the step itself,
-        bit for bit. Its own picks are made with the last step's masks and temperatures, its samples at
-        each row's `after` uniform (`picks.used` says with what: a caller whose draw differs samples
-        itself). Only for CUDA-graph steps with greedy masks; returns whether it launched."""
+        bit for bit. Its own picks are made with the last step's temperatures, under each row's mask after
+        its pick (`mask_after`: within a UTF-8 character, the continuations'; else the last step's), its
+        samples at each row's `after` uniform (`picks.sampled` says whether a draw is the device's: a caller
+        whose draw differs samples itself). Only for CUDA-graph steps with greedy masks; returns whether it
+        launched."""
         if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
             return False
-        masks, draws = self._specs
-        used = (masks, {i: (t, after) for i, (t, _, after) in draws.items()})
-        if used != self._ahead_used:
-            self._set_ahead(used)
+        draws = {i: (t, after) for i, (t, _, after) in self._specs[1].items()}
+        if draws != self._ahead_draws:
+            self._set_ahead(draws)
         self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade, self.sampling].replay()
         self._end_int += 1
         self._ahead_key = (self._last, self._end_int, self.picks)
@@ -121,29 +127,30 @@ class GraphSteps:
         ran = key[2].tokens()
         if ran != tokens and (len(ran) != len(tokens) or any(t != r and t >= 0 for t, r in zip(tokens, ran))):
             return False
-        self._copy_picks(len(tokens), self._ahead_used)
+        self._copy_picks(len(tokens))
         self.took_ahead += 1
         return True
 
-    def _set_ahead(self, used: tuple) -> None:
-        """The picks of a run-ahead step ((masks, {row: (temperature, u)})), into the device's inputs (through a
-        pinned buffer of their own: the step's inputs' buffer may still wait for the step before it)."""
+    def _set_ahead(self, draws: dict) -> None:
+        """The draws of a run-ahead step ({row: (temperature, u)}) into the device's inputs (their masks are
+        there: the step before it advanced them), through a pinned buffer of their own (the step's inputs'
+        buffer may still wait for the step before it)."""
         w = self._width
         self._run_free.synchronize()
-        write_picks(self._run_host.numpy(), used)
-        self._inputs[3 * w:6 * w].copy_(self._run_host, non_blocking=True)
+        write_picks(self._run_host.numpy(), (), draws)
+        self._inputs[4 * w:6 * w].copy_(self._run_host[w:], non_blocking=True)
         self._run_free.record()
-        self._ahead_used = used
+        self._ahead_draws = draws
 
 
 class DevicePicks:
-    """One step's picks on their way to the host: the greedy pick per mask and row, and the sampled pick of
-    the rows `used` says were sampled ((masks, {row: (temperature, u)})) as mask number K (read them before
-    the next step: they share one pinned buffer). Reading waits for this step only, not for a run-ahead step
-    queued after it."""
+    """One step's picks on their way to the host: the greedy pick per mask and row (rows 0..K-1), the sampled
+    pick of the rows `draws` says were sampled ({row: (temperature, u)}) (row K), and the mask each row
+    picked under (row K + 1) (read them before the next step: they share one pinned buffer). Reading waits
+    for this step only, not for a run-ahead step queued after it."""
 
-    def __init__(self, host: torch.Tensor, rows: int, used: tuple):
-        self._host, self.rows, self.used = host, rows, used
+    def __init__(self, host: torch.Tensor, rows: int, draws: dict):
+        self._host, self.rows, self.draws = host, rows, draws
         self._event = torch.cuda.Event()
         self._event.record()
         self._picks: list[list[int]] | None = None
@@ -160,23 +167,24 @@ class DevicePicks:
 
     def sampled(self, row: int, mask: int, temperature: float, u: float) -> int | None:
         """The row's sampled pick if the device sampled it under that mask, temperature and u, else None."""
-        masks, draws = self.used
-        ok = row < len(masks) and masks[row] == mask and draws.get(row) == (temperature, u)
-        return self._wait()[-1][row] if ok else None
+        if row >= self.rows or self.draws.get(row) != (temperature, u):
+            return None
+        picks = self._wait()
+        return picks[-2][row] if picks[-1][row] == mask else None
 
     def tokens(self) -> list[int]:
         """Each row's pick (the tokens a run-ahead step ran on)."""
-        picks, (masks, draws) = self._wait(), self.used
-        tokens = [picks[m][b] for b, m in enumerate(masks[:self.rows])]
-        for b in draws:
-            tokens[b] = picks[-1][b]
+        picks = self._wait()
+        tokens = [picks[m][b] for b, m in enumerate(picks[-1][:self.rows])]
+        for b in self.draws:
+            tokens[b] = picks[-2][b]
         return tokens
 
 
-def write_picks(h, used: tuple) -> None:
-    """A step's picks ((masks, {row: (temperature, u)})) into the host mirror of the inputs `ahead`,
+def write_picks(h, masks, draws: dict) -> None:
+    """A step's picks (per row its mask, {row: (temperature, u)}) into the host mirror of the inputs `ahead`,
     `temperature`, `u` (three parts of w int32 each; the floats as their bits), zeros past the rows."""
-    n, (masks, draws) = len(h) // 3, used
+    n = len(h) // 3
     h[:len(masks)] = masks
     h[len(masks):] = 0
     if draws:
