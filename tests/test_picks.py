@@ -175,3 +175,16 @@ def test_the_nucleus_among_the_most_probable_tokens_is_the_whole_sorts():
     t = torch.full((len(z), 1), 0.9)
     together = nucleus(p, t)
     assert all(torch.equal(nucleus(p[i:i + 1], t[i:i + 1])[0], together[i]) for i in range(0, len(z), 7))
+
+
+def test_a_mask_marked_as_every_token_is_no_mask():
+    """`allows_every_token`: a mask object of its own (a greedy mask of the device's) that host picks treat as
+    None: no mask table, no pass over it."""
+    from lmq_backend.engine import picks
+
+    z = torch.randn(3, 50)
+    every = picks.allows_every_token(torch.ones(50, dtype=torch.bool))
+    assert picks._mask_table([every, None, every], 50, z.device)[0] is None
+    unmarked = torch.ones(50, dtype=torch.bool)
+    assert picks._mask_table([unmarked], 50, z.device)[0] is not None
+    assert torch.equal(picks.greedy(z, [every] * 3), z.argmax(-1))

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..engine.picks import allows_every_token
+
 FAMILY = 4  # masks a family: pending 0 (its base), then within a character expecting 1, 2, 3 more bytes
 
 
@@ -29,7 +31,8 @@ class Proposals:
         """`extendable`: bool [V], the tokens that may extend a value; `pick_all`: the tokens ever picked (None:
         every one)."""
         V = vocab.size
-        every = torch.ones(V, dtype=torch.bool, device=device) if pick_all is None else pick_all.clone()
+        every = allows_every_token(torch.ones(V, dtype=torch.bool, device=device)) if pick_all is None else \
+            pick_all.clone()
         continuing = [vocab.utf8_continuing(k) & extendable for k in (1, 2, 3)]
         self.families = {
             False: [torch.from_numpy(extendable).to(device)] + [torch.from_numpy(c).to(device) for c in continuing],

@@ -5,9 +5,23 @@ sample all their sampling rows at once. `choose`: a beam's next choices (`Choice
 once."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+
+_EVERY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see `allows_every_token`
+
+
+def allows_every_token(mask: torch.Tensor) -> torch.Tensor:
+    """Mark `mask` (bool [V], all True) as what it is: the host picks under it as under None (no mask pass),
+    where a mask object distinct from None is needed (one of the runner's greedy masks: `Proposals`)."""
+    _EVERY[id(mask)] = mask
+    return mask
+
+
+def _plain(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None or _EVERY.get(id(mask)) is mask else mask
 
 
 def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -17,6 +31,7 @@ def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.T
     pick under each of K masks), or None for every token; moved to the logits' device. Ties go to the
     first maximal logit (torch.argmax), so the pick is exact and the same on every device. Returns [...]
     (int64, on the logits' device)."""
+    allowed = _plain(allowed)
     if logits.device.type == "cpu" and logits.dim() <= 2 and (allowed is None or allowed.dim() == 1):
         rows = logits.reshape(-1, logits.shape[-1])
         return greedy(rows, [allowed] * len(rows)).reshape(logits.shape[:-1])
@@ -31,7 +46,7 @@ def greedy(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tens
     pick, for all rows at once. On a CPU lmq's kernel (`lmq_kernels.cpu.masked_argmax`: one pass a row, each
     mask read where it lies) where calibration chose it; else one where and one argmax. int64 [R] on the
     logits' device."""
-    z = logits.float()
+    z, masks = logits.float(), [_plain(m) for m in masks]
     if z.device.type == "cpu":
         from lmq_kernels import cpu  # (not at start-up)
 
@@ -206,7 +221,7 @@ def _mask_table(masks: list[torch.Tensor | None], v: int, device: torch.device
     for m in masks:
         if id(m) not in index:
             index[id(m)] = len(unique)
-            unique.append(m)
+            unique.append(_plain(m))
     rows = [index[id(m)] for m in masks]
     if all(m is None for m in unique):
         return None, [0] * len(rows)
