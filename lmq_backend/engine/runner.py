@@ -19,7 +19,8 @@ from ..cache.kv_store import KVStore, token_bytes
 from . import compat
 from .attention import PREFILL_READ, model_attention
 from .kv_pool import KVPool
-from .picks import Choices, Draw, choose, masked_argmax, sample
+from .picks import Draw
+from .runner_picks import RunnerPicks
 
 
 @dataclass(slots=True)
@@ -31,7 +32,7 @@ class PrefillRow:
     ids: list[int]
 
 
-class ModelRunner:
+class ModelRunner(RunnerPicks):
     """Runs the model's forwards for the scheduler. Decode steps of Llama-family models go through the fused
     `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
     the growable pool on the CPU; their prefills run its layer loop too (`fused_prefill`). Other models
@@ -67,6 +68,8 @@ class ModelRunner:
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self._mask_after: torch.Tensor | None = None  # (see set_greedy_masks)
+        self._mask_index: dict[int, int] = {}
+        self._masked_picks = None
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
         self._sampled = None  # the last step's `DevicePicks` where it sampled rows on the device (see `sample`)
         # on a GPU: an event that completes with the last step's work (its picks on the host), so that the
@@ -106,16 +109,6 @@ class ModelRunner:
         """The model's own forward (`compat.forward`), with the engine's choice of attention backends."""
         with model_attention(self.device):
             return compat.forward(self.model, *args, **kwargs)
-
-    def set_greedy_masks(self, masks: list[torch.Tensor | None], after: torch.Tensor | None = None) -> None:
-        """Token masks (bool [V], None: every token) under which fused GPU steps also pick greedily on the
-        device: `picks(k, row)` is then `Greedy().select(logits[row], masks[k])` without a host sync on
-        the logits; a row sampled under one of the masks is sampled there too; and a step whose rows all
-        give such a pick (`ahead`) runs the next one ahead on those picks (`FusedDecoder.run_ahead`), each
-        row's under mask `after[k, token]` (int [K, V]: the mask a row picking `token` under mask k will
-        likely pick under next; None: k)."""
-        self.greedy_masks, self._mask_after = masks, after
-        self._decoder = None
 
     @property
     def ahead_pending(self) -> bool:
@@ -175,81 +168,6 @@ class ModelRunner:
         self.picks = self._greedy_picks(stacked)
         self.ready = self._event()
         return stacked, slots
-
-    def _greedy_picks(self, logits: torch.Tensor):
-        """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask, one op a
-        mask for the whole batch, not one a row: on a GPU every mask's at once, with one copy to the host
-        (not one sync a row); on the CPU a mask's at its first use (read them before the logits change)."""
-        if not self.greedy_masks:
-            return None
-        if logits.device.type != "cpu":  # one copy to pinned memory, read at the first pick
-            picks = torch.stack([masked_argmax(logits, m) for m in self.greedy_masks])
-            host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True).copy_(picks, non_blocking=True)
-            done, table = torch.cuda.Event(), []
-            done.record()
-
-            def device_pick(k: int, i: int) -> int:
-                if not table:
-                    done.synchronize()
-                    table.extend(host.tolist())
-                return table[k][i]
-            return device_pick
-        masks, done = self.greedy_masks, {}
-
-        def pick(k: int, i: int) -> int:
-            column = done.get(k)
-            if column is None:
-                column = done[k] = masked_argmax(logits, masks[k]).tolist()
-            return column[i]
-        return pick
-
-    def _device_picks(self, ahead: list[int | Draw | None] | None) -> tuple[list | None, dict | None]:
-        """The rows' picks as a fused GPU step makes them (`FusedDecoder.step_host`'s `ahead` and `draws`): per
-        row the greedy mask, None where the device cannot pick (nor run ahead), and {row: (temperature, u,
-        after)} for the rows it samples."""
-        if ahead is None:
-            return None, None
-        masks, draws = list(ahead), {}
-        for i, a in enumerate(ahead):
-            if isinstance(a, Draw):
-                pick = self._device_draw(a)
-                masks[i] = None if pick is None else pick[0]
-                if pick is not None:
-                    draws[i] = pick[1:]
-        return masks, draws
-
-    def _device_draw(self, draw: Draw) -> tuple[int, float, float, float] | None:
-        """(mask, temperature, u, after) of a draw the device samples: under one of the greedy masks, without
-        a nucleus; else None."""
-        if draw.temperature <= 0 or draw.top_p < 1 or draw.after is None:
-            return None
-        for k, mask in enumerate(self.greedy_masks or ()):
-            if draw.allowed is mask:
-                return k, draw.temperature, draw.u, draw.after
-        return None
-
-    @staticmethod
-    def choose(logits: torch.Tensor, asks: list[tuple[int, Choices]]) -> list[tuple]:
-        """The choices (`picks.choose`) of the rows of a step's logits [B, V] that asked ((row, choices) pairs):
-        all at once, one copy to the host (a beam's own top-k took a sync or two on a GPU)."""
-        return choose(_rows(logits, [i for i, _ in asks]), [a for _, a in asks])
-
-    def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
-        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
-        where the step sampled the row with that draw, else a few ops for all the others, one copy to the host
-        (a pick a row took ~1 ms of the host's time, and a sync, each)."""
-        out: dict[int, int] = {}
-        if self._sampled is not None:
-            for i, d in draws:
-                pick = self._device_draw(d)
-                token = None if pick is None else self._sampled.sampled(i, *pick[:3])
-                if token is not None:
-                    out[i] = token
-        rest = [(i, d) for i, d in draws if i not in out]
-        if rest:
-            rows = [i for i, _ in rest]
-            out.update(zip(rows, sample(_rows(logits, rows), [d for _, d in rest]).tolist()))
-        return [out[i] for i, _ in draws]
 
     def _event(self) -> torch.cuda.Event | None:
         """An event recorded after the work queued so far on the device (None on the CPU)."""
@@ -395,9 +313,3 @@ def _fused_supports(model) -> bool:
     except ImportError:  # no triton on this platform: the model's own forward decodes
         return False
 
-
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows], without a copy where `rows` is every row in order."""
-    if rows == list(range(len(logits))):
-        return logits
-    return logits[torch.tensor(rows, device=logits.device)]
