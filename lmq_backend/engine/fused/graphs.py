@@ -94,15 +94,16 @@ class GraphSteps:
         caller's name for the pool's rows and contents), starts, end + 1, and as tokens the device's picks;
         any other call discards it. Steps are deterministic, so a taken run-ahead step is the step itself,
         bit for bit. Its own picks are made with the last step's temperatures, under each row's mask after
-        its pick (`mask_after`: within a UTF-8 character, the continuations'; else the last step's), its
+        its pick (`mask_after`: within a UTF-8 character, the continuations'; without it, the last step's), its
         samples at each row's `after` uniform (`picks.sampled` says whether a draw is the device's: a caller
         whose draw differs samples itself). Only for CUDA-graph steps with greedy masks; returns whether it
         launched."""
         if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
             return False
+        masks = () if self._mask_after is not None else self._specs[0]  # (else the step moved them)
         draws = {i: (t, after) for i, (t, _, after) in self._specs[1].items()}
-        if draws != self._ahead_draws:
-            self._set_ahead(draws)
+        if masks or draws != self._ahead_draws:
+            self._set_ahead(masks, draws)
         self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade, self.sampling].replay()
         self._end_int += 1
         self._ahead_key = (self._last, self._end_int, self.picks)
@@ -131,14 +132,15 @@ class GraphSteps:
         self.took_ahead += 1
         return True
 
-    def _set_ahead(self, draws: dict) -> None:
-        """The draws of a run-ahead step ({row: (temperature, u)}) into the device's inputs (their masks are
-        there: the step before it advanced them), through a pinned buffer of their own (the step's inputs'
-        buffer may still wait for the step before it)."""
+    def _set_ahead(self, masks, draws: dict) -> None:
+        """The picks of a run-ahead step (per row its mask, or () where the step before it moved them there;
+        {row: (temperature, u)}) into the device's inputs, through a pinned buffer of their own (the step's
+        inputs' buffer may still wait for the step before it)."""
         w = self._width
         self._run_free.synchronize()
-        write_picks(self._run_host.numpy(), (), draws)
-        self._inputs[4 * w:6 * w].copy_(self._run_host[w:], non_blocking=True)
+        write_picks(self._run_host.numpy(), masks, draws)
+        at = 3 * w if len(masks) else 4 * w
+        self._inputs[at:6 * w].copy_(self._run_host[at - 3 * w:], non_blocking=True)
         self._run_free.record()
         self._ahead_draws = draws
 
