@@ -248,3 +248,23 @@ async def test_a_long_prompt_comes_in_parts_only_while_rows_decode(make_backend)
     await busy
     parts = [i for i, s in enumerate(steps) if s.kind == "prefill" and s.new_tokens == 32]
     assert len(parts) >= 3 and all(steps[i + 1].kind == "decode" for i in parts)
+
+
+async def test_rows_in_one_choice_state_pick_under_one_mask_object(make_backend, monkeypatch):
+    """Concurrent `X in [...]` holes: the rows at one place in the options pick under one mask object (a
+    constraint's shared mask, its extendable part memoized by the backend), so a step stacks and moves a mask a
+    place, not one a row (1,024 rows: 50 MB a step)."""
+    from lmq_backend.engine import picks
+
+    backend = make_backend("llama")
+    seen, greedy = [], picks.greedy
+
+    def spy(logits, masks):
+        seen.append((len(masks), len({id(m) for m in masks})))
+        return greedy(logits, masks)
+    monkeypatch.setattr(picks, "greedy", spy)
+    q = lmq.Query('"Item {i}:[A]" where A in [" alpha beta gamma", " delta epsilon"]', model=backend)
+    values = [r.variables["A"] for r in await asyncio.gather(*(q.run({"i": i}) for i in range(16)))]
+    assert set(values) <= {" alpha beta gamma", " delta epsilon"}
+    busy = [(rows, unique) for rows, unique in seen if rows >= 8]  # (a mask a place: a few, not one a row)
+    assert busy and all(unique * 4 <= rows for rows, unique in busy)

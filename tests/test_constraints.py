@@ -139,6 +139,21 @@ def test_choice_tokenizations(vocab):
     assert not s.allowed().any()
 
 
+def test_states_in_one_choice_position_share_one_read_only_mask(vocab):
+    """Rows at the same place in the options share one mask object (a step then stacks and moves one mask, not
+    one a row); it is read-only, so no state's caller can change another's; masks a state builds for itself
+    (a conjunction's) stay the caller's to modify."""
+    hc = compiled(choice([" positive", " negative", " neutral"]), vocab)
+    a, b = hc.start(), hc.start()
+    assert a.allowed() is b.allowed() and not a.allowed().flags.writeable
+    tok = int(np.flatnonzero(a.allowed())[0])
+    a.advance(tok), b.advance(tok)
+    assert a.allowed() is b.allowed() and a.allowed() is not hc.start().allowed()
+    both = compiled(AND(choice([" positive", " negative"]), call("STARTS_WITH", "X", " p")), vocab).start()
+    mine = both.allowed()
+    assert mine.flags.writeable and mine is not both.allowed()
+
+
 def test_choice_many_options(vocab):
     rng = random.Random(1)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(rng.randint(3, 25)))

@@ -150,6 +150,7 @@ class HFBackend(Backend):
         self._extendable_any = bool(self._extendable.any())
         self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
         self._extendable_count = int(self._extendable.sum())
+        self._under: dict[int, tuple] = {}  # id of a constraint's shared mask -> (it, `_extendable_under`'s answer)
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
         pickable = np.arange(self._vocab.size) < len(tokenizer)
         self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
@@ -218,7 +219,7 @@ class HFBackend(Backend):
         return [sum(lps) for lps in per_token]
 
     async def next_tokens(self, seq: Sequence, tokens: list[int], k: int, allowed, can_end: bool) -> NextTokens:
-        extendable, extends = self._extendable_under(allowed)
+        extendable, extends, extend = self._extendable_under(allowed)
         if not extends:
             return NextTokens([], [], 0.0 if can_end else None)
         if self._ends_at_max_len(seq, len(seq.ids) + len(tokens), can_end):
@@ -226,7 +227,7 @@ class HFBackend(Backend):
         if allowed is None:  # an unconstrained step: the mask is on the device already
             extend, count = self._extendable_on_device, self._extendable_count
         else:
-            extend, count = torch.from_numpy(extendable), int(extendable.sum())
+            count = int(extendable.sum())
         ask = Choices(k, extend, count, can_end, self._pick_all)
         # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
         # waits for the other beams' choices, so the batch's decode steps never wait for it; the step takes
@@ -293,12 +294,25 @@ class HFBackend(Backend):
             self.trie.unpin(seq.handle)
         seq.handle = node
 
-    def _extendable_under(self, allowed: np.ndarray | None) -> tuple[np.ndarray, bool]:
-        """The tokens that may extend a value where `allowed` (None: every token) are, and whether one may."""
+    def _extendable_under(self, allowed: np.ndarray | None) -> tuple[np.ndarray, bool, torch.Tensor | None]:
+        """The tokens that may extend a value where `allowed` (None: every token) are, whether one may, and
+        they as a tensor (None where `allowed` is). A read-only `allowed` is a constraint's shared mask
+        (`HoleState.allowed`): its answer is memoized by identity, so that the rows in one state pick under one
+        mask object (a step stacks and moves it once, not once a row)."""
         if allowed is None:
-            return self._extendable, self._extendable_any
+            return self._extendable, self._extendable_any, None
+        shared = not allowed.flags.writeable
+        hit = self._under.get(id(allowed)) if shared else None
+        if hit is not None and hit[0] is allowed:
+            return hit[1:]
         extendable = allowed & self._extendable
-        return extendable, bool(extendable.any())
+        answer = (extendable, bool(extendable.any()), torch.from_numpy(extendable))
+        if shared:
+            extendable.flags.writeable = False
+            if len(self._under) >= 256:
+                self._under.clear()
+            self._under[id(allowed)] = (allowed, *answer)
+        return answer
 
     def _ends_at_max_len(self, seq: Sequence, n: int, can_end: bool) -> bool:
         """Must a value with the prompt at `n` tokens end here (max_len)? Raises the length error where the

@@ -85,10 +85,10 @@ class HoleLoop:
         can_end = state.can_end()
         self._unchecked = self._checks and (can_end or self._unchecked_held)
         if self._unchecked:  # the mask only where the unconstrained pick breaks the constraint (`_checked`)
-            allowed, extendable, extends = None, None, True
+            allowed, extendable, extends, under = None, None, True, None
         else:
             allowed = state.allowed()
-            extendable, extends = b._extendable_under(allowed)
+            extendable, extends, under = b._extendable_under(allowed)
         if not extends:
             if can_end:
                 return False  # closed: no token can extend the value, so no forward is needed
@@ -100,7 +100,7 @@ class HoleLoop:
         if can_end:  # (a checked row's "every token" is a mask of its own: `Proposals`)
             pick = b._proposals.mask(0, True) if self._checks and not self._pending else b._pick_all
         else:  # the proposal's mask is on the device already
-            pick = self._proposal() if allowed is None else torch.from_numpy(extendable)
+            pick = self._proposal() if allowed is None else under
         self.pick, self.can_end, self.extendable = pick, can_end, extendable
         # how the step may pick for the row: under a greedy mask of the device's, or by this draw
         if self._greedy:  # under a mask of the device's, or the row's own: then a draw at temperature 0, which
@@ -154,10 +154,10 @@ class HoleLoop:
             return token
         # mostly broken (a random model's picks under a REGEX): the next picks compute the mask first, and
         # are made with the step's other rows' (`_plan`), until an unconstrained pick holds again (`_pick`)
-        extendable, extends = b._extendable_under(state.allowed())
+        extendable, extends, under = b._extendable_under(state.allowed())
         if not extends:  # (what `_plan` says where it computes the mask)
             raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
-        return self.sampler.select(logits[i], torch.from_numpy(extendable))
+        return self.sampler.select(logits[i], torch.from_numpy(extendable) if under is None else under)
 
     def value(self, computed: int) -> tuple[str, list[int], int]:
         """(value text, its token ids, how many of the generated ids have K/V in the row) once done;

@@ -18,8 +18,9 @@ What the backend calls, per token of the value (`HFBackend.generate`):
                                               # (STOPS_AT, STOPS_BEFORE, len(TOKENS(X)) < n) fired
     value = stop.text if stop else state.text
 
-- allowed() returns an array the caller may modify; after a stop, or once the token limit is reached, it is
-  all False. It is computed once per token (advance() invalidates it).
+- allowed() returns an array the caller may modify, or a read-only one that states share (a constraint's
+  memoized mask: copy it to modify); after a stop, or once the token limit is reached, it is all False. It is
+  computed once per token (advance() invalidates it).
 - advance() of a special or out-of-range token, or after a stop, raises LMQRuntimeError.
 - Values are bytes inside (`value_bytes`); `text` decodes them with errors="replace". `tokens`,
   `n_tokens`: the appended ids.
@@ -82,11 +83,9 @@ class HoleState:
                 mask = np.zeros(self.hc.vocab.size, dtype=bool)
             else:
                 mask = self.root.allowed()
-                if mask is not None and not mask.flags.writeable:
-                    mask = mask.copy()
             self._allowed = mask
         mask = self._allowed
-        return None if mask is None else mask.copy()
+        return mask if mask is None or not mask.flags.writeable else mask.copy()
 
     @property
     def checks_tokens(self) -> bool:

@@ -27,6 +27,23 @@ class _ChoiceNode(_Node):
                 node = node.setdefault(bytes((b,)), {})
             node[_END] = True
         self._cache: OrderedDict[int, tuple[dict, np.ndarray]] = OrderedDict()
+        self._masks: OrderedDict[int, tuple[dict, np.ndarray]] = OrderedDict()
+
+    def mask_at(self, node: dict) -> np.ndarray:
+        """The mask of `ids_at(node)`, read-only and shared by every state at that node (memoized, LRU: a
+        step of rows in one state then moves one mask, not one a row)."""
+        key = id(node)
+        hit = self._masks.get(key)
+        if hit is not None and hit[0] is node:
+            self._masks.move_to_end(key)
+            return hit[1]
+        mask = np.zeros(self.vocab.size, dtype=bool)
+        mask[self.ids_at(node)] = True
+        mask.flags.writeable = False
+        self._masks[key] = (node, mask)
+        if len(self._masks) > 256:
+            self._masks.popitem(last=False)
+        return mask
 
     def ids_at(self, node: dict) -> np.ndarray:
         """The tokens whose bytes walk from `node` to some trie node (memoized per node, LRU)."""
@@ -66,10 +83,7 @@ class _ChoiceState(_State):
         self.node, self.ctx, self.at, self.dead = node, ctx, node.root, False
 
     def allowed(self):
-        mask = np.zeros(self.node.vocab.size, dtype=bool)
-        if not self.dead:
-            mask[self.node.ids_at(self.at)] = True
-        return mask
+        return np.zeros(self.node.vocab.size, dtype=bool) if self.dead else self.node.mask_at(self.at)
 
     def can_end(self):
         return not self.dead and _END in self.at
