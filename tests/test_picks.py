@@ -188,3 +188,19 @@ def test_a_mask_marked_as_every_token_is_no_mask():
     unmarked = torch.ones(50, dtype=torch.bool)
     assert picks._mask_table([unmarked], 50, z.device)[0] is not None
     assert torch.equal(picks.greedy(z, [every] * 3), z.argmax(-1))
+
+
+def test_the_runners_picks_under_every_greedy_mask_at_once():
+    """A GPU prefill's greedy picks under the runner's masks (`runner_picks._masked_picks`: `MaskedPicks`, masks
+    of few tokens gathered; None is every token) are `masked_argmax` under each (here through the kernel's
+    torch form), ties to the first index."""
+    from lmq_backend.engine.runner_picks import _masked_picks
+
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randint(-3, 4, (6, 5000), generator=gen).float()
+    few = torch.zeros(5000, dtype=torch.bool)
+    few[[7, 90, 4001]] = True
+    masks = [None, torch.rand(5000, generator=gen) < 0.5, few, few.clone()]
+    out = torch.empty(4, 6, dtype=torch.long)
+    _masked_picks(masks, z)(z, out)
+    assert torch.equal(out, torch.stack([masked_argmax(z, m) for m in masks]))
