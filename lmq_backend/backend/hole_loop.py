@@ -23,7 +23,9 @@ expects k more bytes, among those that keep the text well-formed (`VocabIndex.ut
 pick among all tokens is refused almost always (a random model sampled at N = 1,024: 95 of its 101 refused
 draws came there), and a refused pick draws again on the host, which discards a step the device ran
 ahead. Either set holds every token the constraint allows (llguidance's expressions are over text:
-`test_proposal.py` checks it), which is what makes the checked pick the constrained one.
+`test_proposal.py` checks it), which is what makes the checked pick the constrained one. These sets are
+device masks (`proposals.py`), one family for values that could end where the character began and one for
+those that could not, so that a GPU step run ahead moves each row to its next mask as this loop will.
 """
 from __future__ import annotations
 
