@@ -179,11 +179,11 @@ async def test_soak_with_cancellations_and_invalid_queries(make_backend):
 
 
 async def test_a_failure_in_the_step_loops_bookkeeping_fails_the_queries_and_none_hangs(make_backend, monkeypatch):
-    """The step loop's own bookkeeping (here `_compact`, which frees the slots of rows that left) raising once:
+    """The step loop's own bookkeeping (here `Batch.compact`, which frees the slots of rows that left) raising once:
     the queries waiting on the engine get the error (none waits forever), and the engine serves the next ones."""
     backend = make_backend("llama")
     scheduler = backend.scheduler
-    compact, failed = scheduler._compact, []
+    compact, failed = scheduler.batch.compact, []
 
     def broken():
         if not failed:
@@ -191,7 +191,7 @@ async def test_a_failure_in_the_step_loops_bookkeeping_fails_the_queries_and_non
             raise RuntimeError("simulated: bookkeeping bug")
         compact()
 
-    monkeypatch.setattr(scheduler, "_compact", broken)
+    monkeypatch.setattr(scheduler.batch, "compact", broken)
     q = lmq.Query(SRC, model=backend)
     results = await asyncio.wait_for(asyncio.gather(*(q.run(inputs(i)) for i in range(4)), return_exceptions=True),
                                      timeout=60)

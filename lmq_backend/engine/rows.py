@@ -1,5 +1,6 @@
-"""A row of the running batch (`Row`: its slot in the pool, and the picks the last step made for it) and
-`Preempted`, what a row's query gets when the scheduler takes the row out to free K/V slots."""
+"""A row of the running batch (`Row`: its slot in the pool, and the picks the last step made for it), the running
+batch (`Batch`: its rows by slot over the pool's rows) and `Preempted`, what a row's query gets when the
+scheduler takes the row out to free K/V slots."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,3 +35,52 @@ class Row:
             return None
         picks, i = self.device_picks
         return picks(ahead, i)
+
+
+class Batch:
+    """The running rows by slot over the pool's rows (`rows[i].slot == i`). A row that leaves is marked (`live`
+    False); its slot is freed at once where no live row follows it (`free_tail`), else by `compact`, which
+    moves the last live rows into the gaps (slots stay dense). When the scheduler frees them is its choice."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.rows: list[Row] = []
+
+    def live(self) -> int:
+        """The rows that have not left."""
+        return sum(row.live for row in self.rows)
+
+    def join(self, rows: list[Row]) -> None:
+        """New rows, at the slots the pool gave them (the runner may give them in another order)."""
+        self.rows.extend(rows)
+        for row in rows:
+            self.rows[row.slot] = row
+
+    def free_tail(self) -> None:
+        """Free the slots of the rows that left and that no live row follows."""
+        while self.rows and not self.rows[-1].live:
+            self.rows.pop()
+            self.pool.remove_row(self.pool.rows - 1)
+
+    def compact(self) -> None:
+        """Free the slots of every row that left: the last live rows move into them."""
+        rows = self.rows
+        for slot in range(len(rows) - 1, -1, -1):
+            if not rows[slot].live:  # every slot after it holds a live row now
+                moved = self.pool.remove_row(slot)
+                rows[slot] = rows[-1]
+                rows.pop()
+                if moved is not None:
+                    rows[slot].slot = slot
+
+    def drop_unjoined(self) -> None:
+        """Remove the pool's rows past the batch's (a failed prefill's), with the slots they took."""
+        while self.pool.rows > len(self.rows):
+            self.pool.remove_row(self.pool.rows - 1)
+
+    def clear(self) -> None:
+        """Every row leaves; the pool frees every slot."""
+        for row in self.rows:
+            row.live = False
+        self.rows.clear()
+        self.pool.clear()

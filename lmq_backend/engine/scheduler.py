@@ -40,7 +40,7 @@ from ..errors import LMQBackendError
 from . import admission
 from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
 from .picks import Draw, per_row
-from .rows import Preempted, Row
+from .rows import Batch, Preempted, Row
 from .runner import ModelRunner
 
 
@@ -59,13 +59,13 @@ class Scheduler:
     max_prefill_read: int | None = None
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[Waiting] = field(default_factory=list)
-    rows: list[Row] = field(default_factory=list)            # by slot
     # id(row) -> (token, how the step may pick the row's next token: a greedy mask (int), a sampling draw or
     # None, future, continuation or None)
     decodes: dict[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         self.pool = self.runner.new_pool(self.store)
+        self.batch = Batch(self.pool)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._bound: asyncio.AbstractEventLoop | None = None
@@ -115,28 +115,22 @@ class Scheduler:
 
     def release(self, row: Row) -> None:
         """The row leaves the batch (its hole is done, or its query failed or was cancelled). Its slot is
-        freed at once if no live row follows it; otherwise before the next step (`_compact`), so that rows
+        freed at once if no live row follows it; otherwise before the next step (`Batch.compact`), so that rows
         leaving together (a batch of classifications) free their slots without moving each other's K/V. (In a
         step its row stays put; while the device runs a step ahead, see `_run`.)"""
         if not row.live:
             return
         row.live = False
         self.decodes.pop(id(row), None)
-        while self.rows and not self.rows[-1].live and not self._stepping and not self.runner.ahead_pending:
-            self.rows.pop()
-            self.pool.remove_row(self.pool.rows - 1)
+        if not self._stepping and not self.runner.ahead_pending:
+            self.batch.free_tail()
         if self._wake is not None:
             self._wake.set()
 
-    def _compact(self) -> None:
-        """Free the slots of rows that left: the last live rows move into them (slots stay dense)."""
-        for slot in range(len(self.rows) - 1, -1, -1):
-            if not self.rows[slot].live:  # every slot after it holds a live row now
-                moved = self.pool.remove_row(slot)
-                self.rows[slot] = self.rows[-1]
-                self.rows.pop()
-                if moved is not None:
-                    self.rows[slot].slot = slot
+    @property
+    def rows(self) -> list[Row]:
+        """The running rows, by slot (`Batch`)."""
+        return self.batch.rows
 
     # ----- the steps ------------------------------------------------------------------------------------
 
@@ -155,13 +149,10 @@ class Scheduler:
         return loop
 
     def _reset_rows(self) -> None:
-        for row in self.rows:
-            row.live = False
-        self.rows.clear()
+        self.batch.clear()
         self.decodes.clear()
         admission.drop(self.store, self.waiting)
         self.waiting.clear()
-        self.pool.clear()
 
     async def _run(self) -> None:
         while self.waiting or self.rows:
@@ -173,7 +164,7 @@ class Scheduler:
             ran = False
             self._stepping = True
             try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
-                live = self._live()
+                live = self.batch.live()
                 ready = self._ready(live)
                 # prefills first (rows join the batch as early as they can, when worth a step); a prefill
                 # that cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile
@@ -186,7 +177,7 @@ class Scheduler:
                 # (which discards it anyway), or the live rows fitting a smaller step, move them out.
                 if prefill or not ready or not self.runner.ahead_pending or (
                         self.runner.step_rows(live) < self.runner.step_rows(len(self.rows))):
-                    self._compact()
+                    self.batch.compact()
                 ran = prefill and await self._prefill_step()
                 if not ran and ready:
                     await self._decode_step()
@@ -199,14 +190,10 @@ class Scheduler:
             if ran and (self.waiting or self._ready()):
                 self._wake.set()
 
-    def _live(self) -> int:
-        """The running rows that have not left (rows that left may stay in the batch a while: `_run`)."""
-        return sum(row.live for row in self.rows)
-
     def _ready(self, live: int | None = None) -> bool:
         """Does every running row (`live` of them, if counted already) have its next token (a decode step can
         run)?"""
-        live = self._live() if live is None else live
+        live = self.batch.live() if live is None else live
         return live > 0 and len(self.decodes) == live
 
     def _joins_now(self, live: int) -> bool:
@@ -232,7 +219,7 @@ class Scheduler:
     async def _device_done(self) -> None:
         """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
         has done the step just queued (`ModelRunner.ready`; at once on the CPU, where a step is done when it
-        returns). Queries that call `release` meanwhile only mark their rows (`_compact` frees them)."""
+        returns). Queries that call `release` meanwhile only mark their rows (`Batch.compact` frees them)."""
         event = self.runner.ready
         while event is not None and not event.query():
             await asyncio.sleep(0)
@@ -256,8 +243,7 @@ class Scheduler:
         try:
             logits, slots = self.runner.prefill(self.pool, [w.step_row() for w in batch])
         except BaseException as e:
-            while self.pool.rows > len(self.rows):  # the rows this prefill added, with the slots they took
-                self.pool.remove_row(self.pool.rows - 1)
+            self.batch.drop_unjoined()  # the rows this prefill added, with the slots they took
             if not isinstance(e, Exception):  # (the scheduler itself is stopping)
                 _fail([w.future for w in batch], e)  # taken off `waiting` already: `_fail_all` would not reach them
                 admission.drop(self.store, batch)
@@ -294,17 +280,14 @@ class Scheduler:
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
                          sum(w.row.cached for w in batch), started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the batch's queries fail
-            while self.pool.rows > len(self.rows):
-                self.pool.remove_row(self.pool.rows - 1)
+            self.batch.drop_unjoined()
             _fail([w.future for w in batch], e)
             return
         picks = self.runner.picks
         rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
                     drawn=drawn.get(i), chosen=chosen.get(i)) for i, slot in enumerate(slots)]
         self._joined += len(rows)
-        self.rows.extend(rows)
-        for row in rows:  # the runner may give the new rows their slots in another order
-            self.rows[row.slot] = row
+        self.batch.join(rows)
         for w, row, row_logits in zip(batch, rows, logits):
             if w.future.done():  # cancelled while the device ran the step: its query has cleaned up (its
                 self.release(row)  # pins are gone), so nothing of it is stored
@@ -363,7 +346,7 @@ class Scheduler:
         columns (evicting unpinned trie leaves counts). A row alone that does not fit fails, alone (the
         queries waiting for a prefill wait on)."""
         if len(self.rows) * width > self.store.available():
-            self._compact()  # rows that left first
+            self.batch.compact()  # rows that left first
         while len(self.rows) * width > self.store.available():
             if admission.release_pins(self.waiting, self.store):
                 continue
@@ -375,7 +358,7 @@ class Scheduler:
                     f"({self.store.capacity - 1} slots); raise kv_budget="))
             self.preemptions += len(self.rows) > 1
             self.release(victim)
-            self._compact()
+            self.batch.compact()
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:
