@@ -21,7 +21,7 @@ import torch
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.quantize import QUANTIZED_DTYPES
-from ..engine.picks import Choices, Draw
+from ..engine.picks import Choices, Draw, numbering
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.rows import Preempted, Row
 from ..engine.scheduler import Scheduler
@@ -148,7 +148,6 @@ class HFBackend(Backend):
         self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
         self._extendable_any = bool(self._extendable.any())
-        self._extendable_on_device = torch.from_numpy(self._extendable).to(self.runner.device)
         self._extendable_count = int(self._extendable.sum())
         self._under: dict[int, tuple] = {}  # id of a constraint's shared mask -> (it, `_extendable_under`'s answer)
         # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
@@ -158,6 +157,8 @@ class HFBackend(Backend):
         # from: see proposals.py): fused GPU steps pick under them on the device, and run the next step ahead
         self._proposals = Proposals(self._vocab, self._extendable, self._pick_all, self.runner.device)
         self._greedy_masks = tuple(self._proposals.masks)
+        self._mask_number = numbering(self._greedy_masks)
+        self._extendable_on_device = self._proposals.mask(0, False)
         self.runner.set_greedy_masks(list(self._greedy_masks), after=self._proposals.after)
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
@@ -325,10 +326,7 @@ class HFBackend(Backend):
 
     def _greedy_mask(self, pick) -> int | None:
         """Which of the runner's greedy masks `pick` is (a greedy pick under it may come from the device)."""
-        for k, mask in enumerate(self._greedy_masks):
-            if pick is mask:
-                return k
-        return None
+        return self._mask_number.get(id(pick))
 
     def _count_decoded(self, seq: Sequence, n: int) -> None:
         self._totals.tokens_decoded += n

@@ -20,6 +20,12 @@ def allows_every_token(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def numbering(masks) -> dict[int, int]:
+    """id of each mask object (None too) -> its number in `masks` (the first, where one repeats); the masks must
+    be held for as long as the ids are looked up."""
+    return {id(m): k for k, m in reversed(list(enumerate(masks or ())))}
+
+
 def _plain(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None or _EVERY.get(id(mask)) is mask else mask
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .picks import Choices, Draw, choose, masked_argmax, sample
+from .picks import Choices, Draw, choose, masked_argmax, numbering, sample
 
 
 class RunnerPicks:
@@ -22,7 +22,7 @@ class RunnerPicks:
         row's under mask `after[k, token]` (int [K, V]: the mask a row picking `token` under mask k will
         likely pick under next; None: k)."""
         self.greedy_masks, self._mask_after = masks, after
-        self._mask_index = {id(m): k for k, m in reversed(list(enumerate(masks or ())))}  # (held: ids stay)
+        self._mask_index = numbering(masks)
         self._masked_picks = self._decoder = None
 
     def greedy_mask(self, mask: torch.Tensor | None) -> int | None:
