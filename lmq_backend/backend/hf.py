@@ -13,6 +13,7 @@ import atexit
 import gc
 import os
 import re
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -50,11 +51,12 @@ def parse_bytes(budget: int | float | str) -> int:
 
 
 def default_kv_budget(device: torch.device) -> int:
-    """Bytes for the K/V store when the user names none: half the GPU's free memory; on a CPU a third of
-    the machine's memory (untouched pages of the store cost nothing there)."""
+    """Bytes for the K/V store when the user names none: half the GPU's free memory (with what torch's
+    allocator holds unused: a dropped backend's store, for one); on a CPU a third of the machine's memory
+    (untouched pages of the store cost nothing there)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) // 2
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
@@ -142,8 +144,11 @@ class HFBackend(Backend):
         kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget)
         self.store = self.runner.new_store(kv_bytes)
         self.trie = PrefixTrie(parse_bytes(cache_budget), self.store.bytes_per_token, self.store)
-        self.store.reclaim = lambda n: self.trie.evict(n * self.store.bytes_per_token)
-        self.store.evictable = lambda: self.trie.evictable_bytes() // self.store.bytes_per_token
+        # the store asks the trie for slots through a weak reference: no cycle holds the store's memory once
+        # the backend is dropped (the first backend's objects are frozen, never collected: `_freeze_once`)
+        trie, per_token = weakref.proxy(self.trie), self.store.bytes_per_token
+        self.store.reclaim = lambda n: trie.evict(n * per_token)
+        self.store.evictable = lambda: trie.evictable_bytes() // per_token
         self.scheduler = Scheduler(self.runner, self.store)
         self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
@@ -248,6 +253,25 @@ class HFBackend(Backend):
 
     def on_step(self, callback) -> None:
         self.scheduler.on_step = callback
+
+    def close(self) -> None:
+        """Give the backend's memory back now: its K/V store (on a GPU, half the free memory by default), the
+        cached prefixes and the engine's buffers; queries still waiting fail, later ones are refused. It runs
+        when the backend is dropped, too: the scheduler's step task, cancelled with its event loop, leaves a
+        cycle of frames through the scheduler that only a collection frees (never, for the process's first
+        backend, whose objects `_freeze_once` froze)."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None or scheduler.closed:  # (`_setup` failed part way, or closed already)
+            return
+        scheduler.close()
+        self.runner.close()
+        self.store.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - (interpreter shutdown) nothing to give back to then
+            pass
 
     # ----- statistics ------------------------------------------------------------------------------
 

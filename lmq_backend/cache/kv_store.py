@@ -73,6 +73,13 @@ class KVStore:
     def capacity(self) -> int:
         return self.data.shape[2]
 
+    def close(self) -> None:
+        """Give the memory back (the backend was closed): an empty store with no slot to hand out."""
+        layers, _, _, heads, head_dim = self.data.shape
+        self.data = self.data.new_empty((layers, 2, 0, heads, head_dim))
+        self.owner, self._free, self._n_free = self.owner[:0], self._free[:0], 0
+        self.reclaim = self.evictable = None
+
     @property
     def free_slots(self) -> int:
         return self._n_free

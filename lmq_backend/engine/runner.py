@@ -110,6 +110,13 @@ class ModelRunner(RunnerPicks):
         with model_attention(self.device):
             return compat.forward(self.model, *args, **kwargs)
 
+    def close(self) -> None:
+        """Drop the device buffers of the steps (the fused decoder's CUDA graphs and their inputs, the picks'
+        masks): the backend was closed. The model and its laid-out weights are the caller's."""
+        self._decoder = self._masked_picks = self.picks = self._sampled = self.ready = None
+        self.greedy_masks = self._mask_after = None
+        self._mask_index = {}
+
     @property
     def ahead_pending(self) -> bool:
         """Is a step run ahead on the device (`FusedDecoder.run_ahead`) waiting to be taken? Then the pool's

@@ -76,6 +76,7 @@ class Scheduler:
         self._prefill_seconds = 0.0  # a recent prefill step's duration (a moving average: `_joins_now`)
         self._prefilled = 0.0        # when the last one ended (time.perf_counter())
         self._join_timer: asyncio.TimerHandle | None = None  # wakes the loop when waiting prefills are due
+        self.closed = False  # (`close`)
 
     # ----- the queries' side ----------------------------------------------------------------------------
 
@@ -136,6 +137,8 @@ class Scheduler:
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The running loop, with the step task running in it (started on demand; it ends when idle)."""
+        if self.closed:
+            raise LMQBackendError("the backend was closed")
         loop = asyncio.get_running_loop()
         task = self._task
         if task is not None and not task.done() and not task.get_loop().is_closed():
@@ -146,7 +149,27 @@ class Scheduler:
             self._reset_rows()
             self._wake, self._bound, self._join_timer = asyncio.Event(), loop, None
         self._task = loop.create_task(self._run(), name="lmq-scheduler")
+        self._task.add_done_callback(self._forget_task)
         return loop
+
+    def _forget_task(self, task: asyncio.Task) -> None:
+        """A step task that ended is dropped: one cancelled with its loop holds a traceback through `_run`'s
+        frame back to this scheduler, a cycle that would keep the backend's device memory until a collection
+        (never, once `gc.freeze` froze it)."""
+        if self._task is task:
+            self._task = None
+
+    def close(self) -> None:
+        """The backend was closed: the queries waiting on the engine fail, the rows leave, the step task stops,
+        and later calls are refused (the runner and the store give their memory back: `HFBackend.close`)."""
+        self.closed = True
+        self._fail_all(LMQBackendError("the backend was closed"))
+        self._reset_rows()
+        task, self._task = self._task, None
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
+        if self._join_timer is not None:
+            self._join_timer.cancel()
 
     def _reset_rows(self) -> None:
         self.batch.clear()
