@@ -149,15 +149,9 @@ class Scheduler:
             self._reset_rows()
             self._wake, self._bound, self._join_timer = asyncio.Event(), loop, None
         self._task = loop.create_task(self._run(), name="lmq-scheduler")
-        self._task.add_done_callback(self._forget_task)
+        # (an ended task is dropped: cancelled with its loop, it holds a traceback through `_run` back to self)
+        self._task.add_done_callback(lambda task: setattr(self, "_task", None) if self._task is task else None)
         return loop
-
-    def _forget_task(self, task: asyncio.Task) -> None:
-        """A step task that ended is dropped: one cancelled with its loop holds a traceback through `_run`'s
-        frame back to this scheduler, a cycle that would keep the backend's device memory until a collection
-        (never, once `gc.freeze` froze it)."""
-        if self._task is task:
-            self._task = None
 
     def close(self) -> None:
         """The backend was closed: the queries waiting on the engine fail, the rows leave, the step task stops,
