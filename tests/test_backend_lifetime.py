@@ -56,3 +56,21 @@ def test_a_closed_backend_refuses_queries_and_its_memory_is_back(make_backend):
     with pytest.raises(lmq.LMQBackendError, match="closed"):
         asyncio.run(query())
     backend.close()  # (again: nothing more to give back)
+
+
+def test_closing_a_backend_under_running_queries_fails_them_all_and_hangs_none(make_backend):
+    backend = make_backend()
+    query = lmq.compile('"Count:[X]" where len(TOKENS(X)) < 40', model=backend)
+
+    async def main():
+        steps = []
+        backend.on_step(steps.append)
+        calls = [asyncio.ensure_future(query.run({})) for _ in range(8)]
+        while len([s for s in steps if s.kind == "decode"]) < 3:
+            await asyncio.sleep(0.001)
+        backend.close()
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
+
+    results = asyncio.run(main())
+    assert len(results) == 8
+    assert all(isinstance(r, lmq.LMQBackendError) and "closed" in str(r) for r in results), results
