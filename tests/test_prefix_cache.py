@@ -159,14 +159,17 @@ async def test_failure_and_cancellation_leave_no_pins(make_backend):
     assert (await q()).variables == (await cold.run({})).variables
 
 
-def test_cache_budget_strings():
-    from lmq_backend.backend.hf import parse_bytes
+def test_cache_budget_strings(tokenizer, tiny_models):
+    from lmq_backend.backend.budgets import parse_bytes
 
     assert parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
     assert parse_bytes(0) == 0
     with pytest.raises(lmq.LMQBackendError):
         parse_bytes("lots")
+    for setting in ("cache_budget", "kv_budget"):  # the error names the setting the user wrote
+        with pytest.raises(lmq.LMQBackendError, match=f"cannot read {setting} 'lots'"):
+            lmq.HFBackend.from_model(tiny_models["llama"], tokenizer, **{setting: "lots"})
 
 
 @pytest.mark.parametrize("budget", [0, "64MB"])

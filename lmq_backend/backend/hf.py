@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
-import re
 import weakref
 from pathlib import Path
 
@@ -31,37 +29,9 @@ from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
 from .hole_loop import HoleLoop
 from .proposals import Proposals
+from .budgets import default_kv_budget, parse_bytes
 from .protocol import Backend, NextTokens, Sequence
 from .vocab_cache import vocab_index
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(budget: int | float | str) -> int:
-    """A byte count from 1_000_000, "512MB", "2GB" or "1.5 GiB"."""
-    if isinstance(budget, (int, float)):
-        if budget < 0:
-            raise LMQBackendError(f"cache_budget must be >= 0, got {budget}")
-        return int(budget)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", str(budget).upper())
-    if not m or m.group(2) not in _UNITS:
-        raise LMQBackendError(f"cannot read cache_budget {budget!r}: use bytes or a string like '2GB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def default_kv_budget(device: torch.device) -> int:
-    """Bytes for the K/V store when the user names none: half the GPU's free memory (with what torch's
-    allocator holds unused: a dropped backend's store, for one); on a CPU a third of the machine's memory
-    (untouched pages of the store cost nothing there)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) // 2
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
-        return 4 * 2**30
-
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if str(dtype) in QUANTIZED_DTYPES:  # weight-only quantized: loaded in float32, then quantized
@@ -141,9 +111,9 @@ class HFBackend(Backend):
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
-        kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget)
+        kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
         self.store = self.runner.new_store(kv_bytes)
-        self.trie = PrefixTrie(parse_bytes(cache_budget), self.store.bytes_per_token, self.store)
+        self.trie = PrefixTrie(parse_bytes(cache_budget, "cache_budget"), self.store.bytes_per_token, self.store)
         # the store asks the trie for slots through a weak reference: no cycle holds the store's memory once
         # the backend is dropped (the first backend's objects are frozen, never collected: `_freeze_once`)
         trie, per_token = weakref.proxy(self.trie), self.store.bytes_per_token
