@@ -27,9 +27,9 @@ from ..engine.scheduler import Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..runtime.vocab import VocabIndex
+from .budgets import default_kv_budget, parse_bytes
 from .hole_loop import HoleLoop
 from .proposals import Proposals
-from .budgets import default_kv_budget, parse_bytes
 from .protocol import Backend, NextTokens, Sequence
 from .vocab_cache import vocab_index
 
