@@ -188,6 +188,7 @@ def review(text: str) -> str:
 
 
 def test_cli_json_agrees_with_stats_and_plots(tiny_cli, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the `plot` extra (the README's install has it)")
     backend, query, inputs = tiny_cli
     data = inputs(review("good"), review("bad"), "", review("good"), review("so-so"), review("good"))
     png = tmp_path / "out.png"
