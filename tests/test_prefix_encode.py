@@ -205,3 +205,19 @@ def test_words_kept_stay_bounded(tokenizer, monkeypatch):
     monkeypatch.setattr(prefix_encode, "MAX_WORDS", 40)
     encoder = check_exact(tokenizer, word_texts(3, 200))
     assert 0 < len(encoder._words) <= 40
+
+
+def test_new_words_ids_are_split_where_their_bytes_end():
+    """The new words' ids, tokenized in one call, cut at the words' byte ends (`PrefixEncoder._split`): a word's
+    ids are those whose bytes end within it; ids that overshoot a word's end, run short of the last, or trail
+    past it are no split (then the text is tokenized whole)."""
+    # token id -> bytes it spells: 0 spells none (an added token's place in values), 1 one byte, 2 two, 3 three
+    encoder = PrefixEncoder(lambda text: [], [0, 1, 2, 3])
+    assert encoder._split([2, 1, 3], [3, 3]) == [(2, 1), (3,)]
+    assert encoder._split([1, 1, 1], [1, 1, 1]) == [(1,), (1,), (1,)]
+    assert encoder._split([2, 0, 1], [2, 1]) == [(2,), (0, 1)]        # a zero-byte id goes with the word it starts
+    assert encoder._split([3, 3], [2, 4]) is None                     # overshoots the first word's end
+    assert encoder._split([2, 1], [2, 2]) is None                     # short of the last word
+    assert encoder._split([2, 2, 0], [2, 2]) is None                  # an id past the last word
+    assert encoder._split([2, 2, 1], [2, 2]) is None
+    assert encoder._split([], [1]) is None

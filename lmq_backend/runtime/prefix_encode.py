@@ -66,6 +66,7 @@ class PrefixEncoder:
         spells in text (added tokens: their content); `words`: are word cuts exact (`_word_cuts_exact`)?"""
         self._encode = encode
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
+        self._n_bytes_list: list[int] = self._n_bytes.tolist()
         self._words: dict[str, tuple[int, ...]] | None = {} if words else None
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # the keys found last, with the cuts up to their own (a text starting with one has those cuts, so only
@@ -125,21 +126,37 @@ class PrefixEncoder:
         if None in found:
             new = [i for i, f in enumerate(found) if f is None]
             ids = self._encode("".join(parts[i] for i in new))
-            # each word's ids: those spelling its bytes (the ids' byte ends meet the words' byte ends)
-            ends = np.cumsum(self._n_bytes[np.asarray(ids, dtype=np.int64)]) if ids else np.zeros(0, np.int64)
-            word_ends = np.cumsum([len(parts[i].encode("utf-8")) for i in new])
-            cut = np.searchsorted(ends, word_ends) + 1
-            if len(ends) == 0 or cut[-1] != len(ends) or not np.array_equal(ends[cut - 1], word_ends) \
-                    or (np.diff(cut, prepend=0) <= 0).any():
+            split = self._split(ids, [len(parts[i].encode("utf-8")) for i in new])
+            if split is None:
                 return self._encode(text)  # ids not split at the words: not this rule's tokenizer
-            for i, lo, hi in zip(new, [0, *cut[:-1].tolist()], cut.tolist()):
-                found[i] = tuple(ids[lo:hi])
+            for i, word_ids in zip(new, split):
+                found[i] = word_ids
             if len(words) + len(new) > MAX_WORDS:
                 words.clear()
             for i in new:
                 if len(parts[i]) <= MAX_WORD:
                     words[parts[i]] = found[i]
         return list(chain.from_iterable(found))
+
+    def _split(self, ids: list[int], lengths: list[int]) -> list[tuple[int, ...]] | None:
+        """`ids` cut into the words of `lengths` bytes each: a word's ids are those whose bytes end within it,
+        each word at least one, the last id ending where the last word does; None where the ids' byte ends
+        do not meet the words' ends. (A loop over the few ids of a prompt's new words: numpy's calls cost
+        more than it at this size.)"""
+        n_bytes = self._n_bytes_list
+        out, start, at, k, end = [], 0, 0, 0, lengths[0] if lengths else 0
+        for j, token in enumerate(ids):
+            at += n_bytes[token]
+            if at < end:
+                continue
+            if at > end:
+                return None
+            out.append(tuple(ids[start:j + 1]))
+            start, k = j + 1, k + 1
+            if k == len(lengths):
+                break
+            end += lengths[k]
+        return out if k == len(lengths) and start == len(ids) else None
 
     def _cuts_of(self, text: str) -> list[int]:
         """`_cuts(text)`, searching only past the longest recent key the text starts with."""
