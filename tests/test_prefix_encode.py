@@ -221,3 +221,4 @@ def test_new_words_ids_are_split_where_their_bytes_end():
     assert encoder._split([2, 2, 0], [2, 2]) is None                  # an id past the last word
     assert encoder._split([2, 2, 1], [2, 2]) is None
     assert encoder._split([], [1]) is None
+    assert encoder._split([], []) == [] and encoder._split([0], []) is None

@@ -143,8 +143,10 @@ class PrefixEncoder:
         each word at least one, the last id ending where the last word does; None where the ids' byte ends
         do not meet the words' ends. (A loop over the few ids of a prompt's new words: numpy's calls cost
         more than it at this size.)"""
+        if not lengths:
+            return None if ids else []
         n_bytes = self._n_bytes_list
-        out, start, at, k, end = [], 0, 0, 0, lengths[0] if lengths else 0
+        out, start, at, k, end = [], 0, 0, 0, lengths[0]
         for j, token in enumerate(ids):
             at += n_bytes[token]
             if at < end:
