@@ -1,0 +1,119 @@
+"""A query's host work at N concurrent calls, with the model's share taken out (issue: paged radix KV).
+
+On a GPU, lmq's N = 1,024 round is host-bound: the device does ~0.2 s of work a round, the round takes ~0.5 s
+(benchmarks/RESULTS.md, twenty-ninth session). This measures the host's part where it can be measured
+alone, on the CPU: `bench_concurrency.py`'s query and texts (a ~1,060-token shared few-shot prefix, each
+call's own review, a hole of up to 16 tokens), the default model's tokenizer, and a random-weight Llama of
+one small layer (head dim 64, so that lmq's C decode attention runs: what remains of the model is small).
+Timers around the runner's model calls (`ModelRunner.decode`, `.prefill`, `.sample`) and the greedy picks
+(`runner_picks`' masked argmax, which a GPU step makes on the device) take the model's share out; the rest of a round,
+divided by N, is the host's work a query: the interpreter, tokenizing the new tail, the trie, admission, the
+steps' bookkeeping, the hole loop's checks and plans, results. The cyclic collector's time in the round
+(`gc.callbacks`) is shown apart (it is inside the rest).
+
+    python benchmarks/bench_host.py [--n 256 1024] [--rounds 3] [--where 'STOPS_AT(S, "x")'] [--sample]
+
+Medians over --rounds timed rounds after a warm-up round of the same N (each round its own texts).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_concurrency as BC  # noqa: E402
+import workloads as W  # noqa: E402
+
+import lmq_backend as lmq  # noqa: E402
+from lmq_backend.engine import runner as runner_module  # noqa: E402
+from lmq_backend.engine import runner_picks  # noqa: E402
+
+SPENT: Counter = Counter()
+
+
+def timed(cls, name: str, key: str) -> None:
+    """Add the seconds `cls.name` takes to SPENT[key] (calls nested in another timed one count once)."""
+    f = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        if SPENT["depth"]:
+            return f(*args, **kwargs)
+        SPENT["depth"] += 1
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            SPENT[key] += time.perf_counter() - t
+            SPENT["depth"] -= 1
+    setattr(cls, name, wrapper)
+
+
+def collector_seconds(phase: str, info: dict, started: list[float] = [0.0]) -> None:  # noqa: B006
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        SPENT["gc"] += time.perf_counter() - started[0]
+
+
+def tiny_backend():
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from lmq_backend.backend.default_model import default_model_dir
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    return lmq.HFBackend.from_model(model, tokenizer, cache_budget="8GB", name="tiny", max_batch=256)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--where", default="", help="a constraint on S besides its length")
+    ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    backend = tiny_backend()
+    lmq.register_backend("bench", backend)
+    query = lmq.compile(BC.QUERY.format(decoder="sample(temperature=0.8)" if args.sample else "argmax",
+                                        where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
+    for name in ("decode", "prefill", "sample"):
+        timed(runner_module.ModelRunner, name, "model")
+    timed(runner_picks, "masked_argmax", "model")  # the CPU's greedy picks (a GPU step makes them on the device)
+    gc.callbacks.append(collector_seconds)
+    shots = W.w1_shots(40)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}; {'sampled' if args.sample else 'greedy'}"
+          f"{', where ' + args.where if args.where else ''}; medians of {args.rounds} rounds")
+    print("| N | round | model | host a query | of which the collector |")
+    print("|---|---|---|---|---|")
+    start = 0
+    for n in args.n:
+        texts = BC.reviews((args.rounds + 1) * n, start)
+        start += (args.rounds + 1) * n
+        asyncio.run(BC.run_n(query, shots, texts[:n]))
+        rounds = []
+        for r in range(1, args.rounds + 1):
+            SPENT.clear()
+            seconds = asyncio.run(BC.run_n(query, shots, texts[r * n:(r + 1) * n]))
+            rounds.append((seconds, SPENT["model"], (seconds - SPENT["model"]) / n, SPENT["gc"] / n))
+        total, model, host, collector = (statistics.median(x) for x in zip(*rounds))
+        print(f"| {n} | {total:.3f} s | {model:.3f} s | {host * 1e6:.0f} us | {collector * 1e6:.0f} us |")
+
+
+if __name__ == "__main__":
+    main()
