@@ -9,7 +9,7 @@ Timers around the runner's model calls (`ModelRunner.decode`, `.prefill`, `.samp
 (`runner_picks`' masked argmax, which a GPU step makes on the device) take the model's share out; the rest of a round,
 divided by N, is the host's work a query: the interpreter, tokenizing the new tail, the trie, admission, the
 steps' bookkeeping, the hole loop's checks and plans, results. The cyclic collector's time in the round
-(`gc.callbacks`) is shown apart (it is inside the rest).
+(`gc.callbacks`) is shown apart (counted wherever it ran: mostly inside the rest, some inside the model's calls).
 
     python benchmarks/bench_host.py [--n 256 1024] [--rounds 3] [--where 'STOPS_AT(S, "x")'] [--sample]
 

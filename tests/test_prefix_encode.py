@@ -211,7 +211,7 @@ def test_new_words_ids_are_split_where_their_bytes_end():
     """The new words' ids, tokenized in one call, cut at the words' byte ends (`PrefixEncoder._split`): a word's
     ids are those whose bytes end within it; ids that overshoot a word's end, run short of the last, or trail
     past it are no split (then the text is tokenized whole)."""
-    # token id -> bytes it spells: 0 spells none (an added token's place in values), 1 one byte, 2 two, 3 three
+    # token id -> bytes it spells: 0 none (as a special token in values), 1 one byte, 2 two, 3 three
     encoder = PrefixEncoder(lambda text: [], [0, 1, 2, 3])
     assert encoder._split([2, 1, 3], [3, 3]) == [(2, 1), (3,)]
     assert encoder._split([1, 1, 1], [1, 1, 1]) == [(1,), (1,), (1,)]
