@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .cpu_layout import padded_stride, streamed_empty
+from .cpu_layout import padded_stride
 
 
 def _llc_bytes() -> int:
@@ -36,12 +36,10 @@ def _llc_bytes() -> int:
 RING_BYTES = min(max(2 * _llc_bytes(), 32 << 20), 256 << 20)
 
 
-def _ring(shape: tuple[int, ...], streamed: bool = False) -> torch.Tensor:
-    """[copies, *shape] float32 filled (written, so no page is shared), copies x shape >= RING_BYTES;
-    `streamed`: in the memory the engine gives its weights' panels (`cpu_layout.streamed_empty`)."""
+def _ring(shape: tuple[int, ...]) -> torch.Tensor:
+    """[copies, *shape] float32 filled (written, so no page is shared), copies x shape >= RING_BYTES."""
     one = 4 * int(torch.tensor(shape).prod())
-    full = (max(1, -(-RING_BYTES // max(one, 1))), *shape)
-    return (streamed_empty(full) if streamed else torch.empty(full)).fill_(0.01)
+    return torch.full((max(1, -(-RING_BYTES // max(one, 1))), *shape), 0.01)
 
 
 class _Next:
@@ -62,7 +60,7 @@ def gemm(lmq, m: int, k: int, n: int, panel: int = 0):
     x, out = torch.randn(m, k), torch.empty(m, n)
     nxt = _Next(ring.shape[0])
     if panel:
-        panels = _ring((n // panel, k, panel), streamed=True)[:ring.shape[0]]   # as many copies: one index for both sides
+        panels = _ring((n // panel, k, panel))[:ring.shape[0]]   # as many copies: one index for both sides
         return (lambda: lmq(x, ring[0], out, panels=panels[nxt()]),
                 lambda: torch.mm(x, ring[nxt()], out=out))
     return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu
-from .cpu_layout import streamed_empty
 
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
@@ -44,12 +43,9 @@ class _CLayer(ctypes.Structure):
 
 
 def panel_major(w_t: torch.Tensor) -> torch.Tensor | None:
-    """A copy of the K-major float32 [k, n] as [n / PANEL, k, PANEL] (None where n is no multiple of PANEL), in
-    memory backed by huge pages where the host gives them (`cpu_layout.streamed_empty`)."""
+    """A copy of the K-major float32 [k, n] as [n / PANEL, k, PANEL] (None where n is no multiple of PANEL)."""
     k, n = w_t.shape
-    if n % PANEL:
-        return None
-    return streamed_empty((n // PANEL, k, PANEL), w_t.dtype).copy_(w_t.reshape(k, n // PANEL, PANEL).permute(1, 0, 2))
+    return None if n % PANEL else w_t.reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
 
 @dataclass
