@@ -55,17 +55,17 @@ static inline vf load_vf(const float *p) { return *(const vf *)p; }   /* vf is a
  * and adds per 16 columns instead of 4 per column. An output lane depends on its own column's vector only
  * (the slots of a group's missing columns hold anything: their lanes are not used). */
 #define DV_MAX (256 / LMQ_VL)   /* the head dimension in vectors, at most (D <= 256) */
-#define HALF(x, y, A, B) (__builtin_shuffle(x, y, (vfi)A) + __builtin_shuffle(x, y, (vfi)B))
+#define HALF(x, y, A, B) (LMQ_SHUFFLE(x, y, A) + LMQ_SHUFFLE(x, y, B))
 #if LMQ_VL == 16
 static const unsigned char rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-#define L8A {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
-#define L8B {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
-#define L4A {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
-#define L4B {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
-#define L2A {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
-#define L2B {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
-#define L1A {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
-#define L1B {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+#define L8A 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define L8B 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define L4A 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define L4B 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define L2A 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define L2B 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define L1A 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define L1B 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 static inline vf columns_total(const float *u) {
     vf a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) a[i] = HALF(load_vf(u + 2 * i * 16), load_vf(u + (2 * i + 1) * 16), L8A, L8B);
@@ -75,12 +75,12 @@ static inline vf columns_total(const float *u) {
 }
 #elif LMQ_VL == 8
 static const unsigned char rev[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-#define L4A {0, 1, 2, 3, 8, 9, 10, 11}
-#define L4B {4, 5, 6, 7, 12, 13, 14, 15}
-#define L2A {0, 1, 8, 9, 4, 5, 12, 13}
-#define L2B {2, 3, 10, 11, 6, 7, 14, 15}
-#define L1A {0, 8, 2, 10, 4, 12, 6, 14}
-#define L1B {1, 9, 3, 11, 5, 13, 7, 15}
+#define L4A 0, 1, 2, 3, 8, 9, 10, 11
+#define L4B 4, 5, 6, 7, 12, 13, 14, 15
+#define L2A 0, 1, 8, 9, 4, 5, 12, 13
+#define L2B 2, 3, 10, 11, 6, 7, 14, 15
+#define L1A 0, 8, 2, 10, 4, 12, 6, 14
+#define L1B 1, 9, 3, 11, 5, 13, 7, 15
 static inline vf columns_total(const float *u) {
     vf a[4], b[2];
     for (int i = 0; i < 4; i++) a[i] = HALF(load_vf(u + 2 * i * 8), load_vf(u + (2 * i + 1) * 8), L4A, L4B);
@@ -89,10 +89,10 @@ static inline vf columns_total(const float *u) {
 }
 #else
 static const unsigned char rev[4] = {0, 2, 1, 3};
-#define L2A {0, 1, 4, 5}
-#define L2B {2, 3, 6, 7}
-#define L1A {0, 4, 2, 6}
-#define L1B {1, 5, 3, 7}
+#define L2A 0, 1, 4, 5
+#define L2B 2, 3, 6, 7
+#define L1A 0, 4, 2, 6
+#define L1B 1, 5, 3, 7
 static inline vf columns_total(const float *u) {
     const vf a0 = HALF(load_vf(u), load_vf(u + 4), L2A, L2B), a1 = HALF(load_vf(u + 8), load_vf(u + 12), L2A, L2B);
     return HALF(a0, a1, L1A, L1B);

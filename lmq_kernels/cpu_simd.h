@@ -78,27 +78,27 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define LMQ_PARTS (16 / LMQ_VL)
 typedef int vfi __attribute__((vector_size(4 * LMQ_VL)));
 
+/* The lanes of x and y (lanes VL.. 2 VL - 1 are y's) picked by constant indices: GCC's __builtin_shuffle takes
+ * them as a vector, Clang's __builtin_shufflevector (GCC 12+ has it too) as arguments. */
+#if defined(__clang__)
+#define LMQ_SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define LMQ_SHUFFLE(x, y, ...) __builtin_shuffle(x, y, (vfi){__VA_ARGS__})
+#endif
+
 /* The sum of a native vector's lanes in a fixed order: lane i + lane i + VL/2, then + the lane VL/4 further,
  * ..., then lane 0 + lane 1 (log2(VL) shuffles and adds). */
 static inline float lanes_total(vf a) {
 #if LMQ_VL == 16
-    a += __builtin_shuffle(a, (vfi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += LMQ_SHUFFLE(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a += LMQ_SHUFFLE(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    a += LMQ_SHUFFLE(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#elif LMQ_VL == 8
+    a += LMQ_SHUFFLE(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a += LMQ_SHUFFLE(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+#else
+    a += LMQ_SHUFFLE(a, a, 2, 3, 0, 1);
 #endif
-#if LMQ_VL >= 8
-    a += __builtin_shuffle(a, (vfi){4, 5, 6, 7, 0, 1, 2, 3
-#if LMQ_VL == 16
-                                    , 12, 13, 14, 15, 8, 9, 10, 11
-#endif
-                                    });
-#endif
-    a += __builtin_shuffle(a, (vfi){2, 3, 0, 1
-#if LMQ_VL >= 8
-                                    , 6, 7, 4, 5
-#endif
-#if LMQ_VL == 16
-                                    , 10, 11, 8, 9, 14, 15, 12, 13
-#endif
-                                    });
     return a[0] + a[1];
 }
 
