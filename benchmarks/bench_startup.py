@@ -44,7 +44,7 @@ from lmq_backend.backend.default_model import default_model_dir
 path = default_model_dir()
 tok = AutoTokenizer.from_pretrained(str(path))
 phase("AutoTokenizer.from_pretrained")
-model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_kernels=False)
 phase("AutoModelForCausalLM.from_pretrained")
 from lmq_backend.backend.hf import HFBackend
 from lmq_backend.engine.runner import ModelRunner
@@ -53,8 +53,8 @@ ModelRunner(model, max_batch=256)
 phase("ModelRunner(model): the fused layout built")
 try:
     from lmq_backend.engine.fused.weight_cache import laid_out
-    laid_out(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), path)  # (writes it once)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    laid_out(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_kernels=False), path)  # (writes it once)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_kernels=False)
     t, c = time.perf_counter(), time.process_time()
     ModelRunner(model, max_batch=256, weights_folder=path)
     phase("ModelRunner(model, weights_folder=): from disk")

@@ -118,7 +118,7 @@ def reference_model():
 
     from lmq_backend.backend.default_model import default_model_dir
 
-    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32, use_kernels=False).eval()
 
 
 @pytest.mark.parametrize("review", ["Awful. Never again.", "Best meal of my life, lovely staff."])

@@ -24,7 +24,7 @@ def hf_greedy(folder, n: int = 8) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
     ids = tok(PROMPT, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     new = out[0, ids.shape[1]:].tolist()
@@ -50,6 +50,12 @@ def test_hfbackend_loads_the_folder_as_given(folder_backend, tiny_folder):  # no
     state = model.state_dict()
     assert saved.keys() <= state.keys()
     assert all(torch.equal(state[k], v) for k, v in saved.items())  # the folder's weights, unchanged
+
+
+def test_the_folder_loads_without_hub_kernels(folder_backend):
+    """transformers 5.25 kernelizes every model `from_pretrained` loads (on a GPU: Hub code for RMSNorm, SiLU,
+    RoPE; engine/compat.py): lmq's models keep transformers' own ops, their reference."""
+    assert getattr(folder_backend.model, "use_kernels", False) is False
 
 
 async def test_a_query_on_the_folder_is_what_transformers_gives(folder_backend, expected):

@@ -165,7 +165,7 @@ def test_default_models_q4_1_weights_load_as_shipped():
     from lmq_backend.backend.default_model import default_model_dir, gguf_path
     from lmq_backend.backend.gguf_weights import load_q4_1
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32, use_kernels=False)
     floats = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert load_q4_1(model, gguf_path()) == 7 * model.config.num_hidden_layers
     for name, m in model.named_modules():

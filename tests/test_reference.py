@@ -115,7 +115,7 @@ async def test_wrapping_a_model_leaves_the_users_calls_unchanged(zoo, family, tm
     assert torch.allclose(padded, want[1], rtol=0, atol=1e-5)
     assert torch.equal(gen, want[2]) and torch.equal(gen_padded, want[3])
     user.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, use_kernels=False).eval()
     saved, original = loaded.state_dict(), untouched.state_dict()
     assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in original)
     with torch.no_grad():
@@ -159,7 +159,7 @@ async def test_default_model_equals_an_independent_hf_instance(default_backend):
     from lmq_backend.backend.hf import HFBackend
 
     tok = default_backend.tokenizer
-    reference = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32, use_kernels=False).eval()
     calls = [dict(shots=DEFAULT_SHOTS, q=q) for q in DEFAULT_QUESTIONS]
     want = [DEFAULT_SCRIPT.reference(reference, tok, c, fill=generate) for c in calls]
     assert all(len(ids) > 20 for ids, _ in want)

@@ -42,10 +42,12 @@ def default_model_dir() -> Path:
           file=sys.stderr, flush=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    from ..engine.compat import PRETRAINED
+
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(source.parent), gguf_file=source.name,
-        quantization_config=GgufConfig(dequantize=True), dtype="float32",
+        quantization_config=GgufConfig(dequantize=True), dtype="float32", **PRETRAINED,
     )
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     model.save_pretrained(partial)

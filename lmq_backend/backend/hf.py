@@ -19,6 +19,7 @@ import torch
 
 from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
+from ..engine.compat import PRETRAINED
 from ..engine.quantize import QUANTIZED_DTYPES
 from ..engine.picks import Choices, Draw, numbering
 from ..engine.runner import ModelRunner, PrefillRow
@@ -89,7 +90,7 @@ class HFBackend(Backend):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device), **PRETRAINED)
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
         if str(dtype) in QUANTIZED_DTYPES:  # "int4" of the default model: its shipped Q4_1 weights as they are

@@ -3,6 +3,11 @@
 - 5.24 renamed the forward argument `past_key_values=` to `cache=`.
 - `Cache.crop` changed meaning in 5.15; lmq never crops: it builds caches from tensors and reads them back.
 - `cache_position` is not passed: position ids are always explicit.
+- 5.25 kernelizes every model `from_pretrained` loads (`use_kernels` defaults to on): on CUDA, ROCm and XPU a
+  Llama's RMSNorm, SiLU and RoPE become kernels fetched from the Hugging Face Hub (Liger's RMSNorm, ...), and
+  without the `kernels` package the load fails. lmq loads local folders only, never a hub, and the model's own
+  forward is its reference (prefills, other models, the tests' exactness checks): `PRETRAINED` turns it off
+  (5.17-5.24 took the argument, off by default).
 """
 from __future__ import annotations
 
@@ -12,6 +17,10 @@ from functools import lru_cache
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+
+# keyword arguments of every `from_pretrained` of a model (see the module's docstring)
+PRETRAINED = {"use_kernels": False}
 
 
 @lru_cache(maxsize=None)
