@@ -4,7 +4,7 @@
 # Graviton 2). What it checks: the NEON branches of lmq_kernels/*.c compile, and every kernel's results
 # against float64 references, batched = alone, the C step against the per-op one, the quantized dtypes' and
 # calibration's greedy tokens, on that build. Not its speed (emulated). Not part of `pytest -q`: it needs
-# root for apt, the network once, and ~1.5 GB under $LMQ_AARCH64_DIR.
+# root for apt, the network once, and ~1.7 GB under $LMQ_AARCH64_DIR.
 #
 #   bash tests/on_aarch64.sh                      # the CPU kernel test files
 #   bash tests/on_aarch64.sh tests/test_cpu_kernels.py -k attention
