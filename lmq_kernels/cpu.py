@@ -124,8 +124,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.argtypes = [ptr, c_long, ptr, ptr, *([ptr] if f is lib.lmq_qgemm_i4 else []), ptr, c_long,
                       c_int, c_long, c_long, c_int, c_int]
         f.restype = None
-    lib.lmq_dequant_i8.argtypes = [ptr, ptr, ptr, c_long, c_long, c_int]
-    lib.lmq_dequant_i4.argtypes = [ptr, ptr, ptr, ptr, c_long, c_long, c_int]
+    lib.lmq_dequant_i8.argtypes = [ptr, ptr, ptr, c_long, c_long, c_int, c_int]
+    lib.lmq_dequant_i4.argtypes = [ptr, ptr, ptr, ptr, c_long, c_long, c_int, c_int]
     lib.lmq_dequant_i8.restype = lib.lmq_dequant_i4.restype = None
     lib.lmq_masked_argmax.argtypes = [ptr, c_long, ptr, c_int, c_long, ptr, c_int]
     lib.lmq_masked_argmax.restype = None

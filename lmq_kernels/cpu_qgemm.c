@@ -230,34 +230,59 @@ void lmq_qgemm_i4(const float *x, long ldx, const unsigned char *q, const float 
 
 static inline void store_f(float *p, vf v) { *(vf *)p = v; }
 
-void lmq_dequant_i8(const signed char *q, const float *scale, float *w, long N, long K, int threads) {
-    if (K * N < QSERIAL_BELOW) threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
-        for (long g = 0; g < K / GROUP; g++) {
-            const vf s = (vf){0} + scale[n * (K / GROUP) + g];
-            for (int i = 0; i < GROUP; i += LMQ_VL) {
-                vf x = __builtin_convertvector(widen_i8(q + n * K + g * GROUP + i), vf) * s;
-                store_f(w + n * K + g * GROUP + i, x);
-            }
-        }
+/* Output n's group g of weights (32) as float32 into o[0, 32). */
+static inline void group_i8(const signed char *q, const float *scale, long n, long g, long K, float *o) {
+    const vf s = (vf){0} + scale[n * (K / GROUP) + g];
+    for (int i = 0; i < GROUP; i += LMQ_VL)
+        store_f(o + i, __builtin_convertvector(widen_i8(q + n * K + g * GROUP + i), vf) * s);
 }
 
-void lmq_dequant_i4(const unsigned char *q, const float *d, const float *mn, float *w, long N, long K,
-                    int threads) {
+static inline void group_i4(const unsigned char *q, const float *d, const float *mn, long n, long g, long K,
+                            float *o) {
+    const vf dv = (vf){0} + d[n * (K / GROUP) + g], mv = (vf){0} + mn[n * (K / GROUP) + g];
+    for (int i = 0; i < 16; i += LMQ_VL) {
+        const vfi b = widen_u8(q + n * (K / 2) + g * 16 + i);
+        vf lo = __builtin_convertvector(b & 15, vf) * dv, hi = __builtin_convertvector(b >> 4, vf) * dv;
+        ROUNDED(lo);
+        ROUNDED(hi);
+        store_f(o + i, lo + mv);
+        store_f(o + 16 + i, hi + mv);
+    }
+}
+
+#define PANEL_MAX 64   /* outputs of a panel, at most */
+#define GROUP_TO(o, n, g) (q4 ? group_i4(q4, scale, mn, n, g, K, o) : group_i8(q8, scale, n, g, K, o))
+
+/* W as float32: row-major [N, K] (P = 0), or in panels of P outputs [N / P, K, P] (P divides N, P <= 64: the
+ * small-M GEMM's panel-major operand, cpu_gemm.c) so that a long prefill multiplies in lmq's GEMM without a
+ * transposed copy: a panel's rows de-quantized a group at a time into a tile in L1, written out transposed.
+ * q8 (int8) or q4 (int4) is given, the other NULL. */
+static void dequant(const signed char *q8, const unsigned char *q4, const float *scale, const float *mn, float *w,
+                    long N, long K, int P, int threads) {
     if (K * N < QSERIAL_BELOW) threads = 1;
+    if (P == 0) {
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (long n = 0; n < N; n++)
+            for (long g = 0; g < K / GROUP; g++) GROUP_TO(w + n * K + g * GROUP, n, g);
+        return;
+    }
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
+    for (long p = 0; p < N / P; p++) {
+        float tile[PANEL_MAX * GROUP] __attribute__((aligned(64)));   /* [P][GROUP] */
         for (long g = 0; g < K / GROUP; g++) {
-            const vf dv = (vf){0} + d[n * (K / GROUP) + g], mv = (vf){0} + mn[n * (K / GROUP) + g];
-            float *o = w + n * K + g * GROUP;
-            for (int i = 0; i < 16; i += LMQ_VL) {
-                const vfi b = widen_u8(q + n * (K / 2) + g * 16 + i);
-                vf lo = __builtin_convertvector(b & 15, vf) * dv, hi = __builtin_convertvector(b >> 4, vf) * dv;
-                ROUNDED(lo);
-                ROUNDED(hi);
-                store_f(o + i, lo + mv);
-                store_f(o + 16 + i, hi + mv);
-            }
+            float *o = w + (p * K + g * GROUP) * P;
+            for (int j = 0; j < P; j++) GROUP_TO(tile + j * GROUP, p * P + j, g);
+            for (int i = 0; i < GROUP; i++)
+                for (int j = 0; j < P; j++) o[i * P + j] = tile[j * GROUP + i];
         }
+    }
+}
+
+void lmq_dequant_i8(const signed char *q, const float *scale, float *w, long N, long K, int P, int threads) {
+    dequant(q, 0, scale, 0, w, N, K, P, threads);
+}
+
+void lmq_dequant_i4(const unsigned char *q, const float *d, const float *mn, float *w, long N, long K, int P,
+                    int threads) {
+    dequant(0, q, d, mn, w, N, K, P, threads);
 }

@@ -2,7 +2,7 @@
 them from there), on the layouts of cpu_qgemm.c:
 
     quantized_mm(x, q, scale, zero, out, accumulate=False) -> bool   out (+)= x @ W^T, W int8 / int4 [N, K]
-    dequantize(q, scale, zero, out) -> bool                          out = W as float32
+    dequantize(q, scale, zero, out) -> bool                          out = W as float32 ([N, K] or panels)
     layout_ok(q, scale, zero, k) -> bool                             (q, scale, zero) is such a W [N, k]
 
 int8: q int8 [N, K] with scale [N, K/32] (zero None); int4: q uint8 [N, K/2] with scale (d) and zero (m)
@@ -79,19 +79,25 @@ def layout_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, out: torch.Tensor) -> bool:
-    """out = W as float32 (out [N, K] contiguous), with the same bits as torch's q * scale and d * q + m (no
-    fused multiply-add). Not calibrated: a copy at memory speed that torch's several passes (unpack,
+    """out = W as float32, with the same bits as torch's q * scale and d * q + m (no fused multiply-add): out
+    [N, K] contiguous, or W's panels [N / P, K, P] (P <= 64: the small-M GEMM's panel-major operand,
+    `cpu.small_m_mm(panels=)`). Not calibrated: a copy at memory speed that torch's several passes (unpack,
     convert, multiply, add) cannot beat."""
     lib = cpu._load()
-    if lib is None or out.dim() != 2 or not out.is_contiguous() or out.dtype != torch.float32:
+    if lib is None or out.dim() not in (2, 3) or not out.is_contiguous() or out.dtype != torch.float32:
         return False
-    n, k = out.shape
+    if out.dim() == 2:
+        (n, k), p = out.shape, 0
+    else:
+        n, k, p = out.shape[0] * out.shape[2], out.shape[1], out.shape[2]
+        if p > 64:
+            return False
     if q.shape[0] != n or not layout_ok(q, scale, zero, k):
         return False
     if zero is None:
-        lib.lmq_dequant_i8(q.data_ptr(), scale.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+        lib.lmq_dequant_i8(q.data_ptr(), scale.data_ptr(), out.data_ptr(), n, k, p, torch.get_num_threads())
     else:
-        lib.lmq_dequant_i4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, k,
+        lib.lmq_dequant_i4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, k, p,
                            torch.get_num_threads())
     return True
 

@@ -28,7 +28,7 @@ def kernels(request, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n, k", [(96, 64), (1000, 576), (7, 1536)])
+@pytest.mark.parametrize("n, k", [(96, 64), (1000, 576), (7, 1536), (192, 576)])
 def test_quantized_linear_matches_its_dequantized_weight_and_rows_do_not_depend_on_the_batch(kind, n, k, kernels):
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -37,12 +37,17 @@ def test_quantized_linear_matches_its_dequantized_weight_and_rows_do_not_depend_
     want = x @ lin.dequantize().t() + b
     got = lin(x[:40])
     assert torch.allclose(got, want[:40], rtol=1e-5, atol=1e-5)
-    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)                # 70 rows: always torch's GEMM
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)      # 70 rows: lmq's GEMM over panels, or torch's
     if kernels == "lmq":  # every row as in any other batch (torch's GEMM and GEMV differ in the last bits)
         for m in (1, 2, 3, 5, 8, 15, 17, 33):
             assert torch.equal(lin(x[:m]), got[:m]), m
         assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), got)
+        assert torch.equal(lin(x[:66]), lin(x)[:66])                 # past 64 rows too (whichever GEMM)
     assert torch.equal(lin.dense(), lin.dequantize())   # lmq's de-quantizing copy: torch's bits (no FMA)
+    if n % 64 == 0 and kernels == "lmq":                 # and into the float32 GEMM's panels [n / 64, k, 64]
+        panels = torch.empty(n // 64, k, 64)
+        assert cpu.dequantize(lin.qweight, lin.scales, lin.zeros, panels)
+        assert torch.equal(panels, lin.dequantize().t().reshape(k, n // 64, 64).permute(1, 0, 2))
     # the quantization itself: within half a step of its group of 32
     g = w.view(n, -1, 32)
     step = (g.abs().amax(-1) / 127 if kind == "int8" else (g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, 1)

@@ -12,9 +12,10 @@ the weights are stored small:
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
 (`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
-calibration measured it faster than the alternative; that alternative, more rows (long prefills), or no C
-compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, ~1 GB/s of weights
-where torch's passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
+calibration measured it faster than the alternative; more rows (long prefills) de-quantize the weight once
+into panels and multiply in lmq's float32 GEMM (`_panels_mm`) where calibration chose it; the alternative, or
+no C compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, where torch's
+passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
 kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32
 `torch.mm` on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
@@ -22,10 +23,13 @@ or alone, as in float32.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
 from lmq_kernels import cpu
+from lmq_kernels.cpu_step import PANEL
 
 QUANTIZED_DTYPES = ("int8", "int4")
 GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
@@ -76,13 +80,16 @@ class QuantizedLinear(nn.Module):
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
         """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
-        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
-        (and above KERNEL_ROWS rows) torch's GEMM on the de-quantized weight."""
+        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows; more
+        (long prefills) in lmq's float32 GEMM over the weight de-quantized into panels (`_panels_mm`); else
+        torch's GEMM on the de-quantized weight."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
         m = a.shape[0]
         if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
+            return
+        if m > KERNEL_ROWS and self._panels_mm(a, out, accumulate):
             return
         if not 16 < m <= KERNEL_ROWS:
             _dense_mm(a, self.dense(), out, accumulate)
@@ -92,6 +99,26 @@ class QuantizedLinear(nn.Module):
             if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
                 w = self.dense() if w is None else w
                 _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
+
+    def _panels_mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool) -> bool:
+        """out (+)= a @ W^T with W de-quantized once into panels (`cpu.dequantize`: a reused buffer, one pass)
+        and lmq's small-M GEMM over them (`cpu.small_m_mm(panels=)`, up to cpu.GEMM_MAX_ROWS rows a call, where
+        calibration chose it for the class), a chunk torch's GEMM on the de-quantized weight where it did not.
+        False (nothing computed) where the panels cannot be made. At ~200 rows (8 chats' new turns) 2.4x faster
+        than torch's GEMM on the de-quantized weight on AVX-512, 1.1x on AVX2 (Zen 5; RESULTS.md, thirtieth
+        session); up to 64 rows the quantized kernel is faster (the panels' transposing copy costs ~0.7 ms a
+        layer of the default model)."""
+        n, k = self.shape
+        panels = _panel_buffer(n, k)
+        if panels is None or not cpu.dequantize(self.qweight, self.scales, self.zeros, panels):
+            return False
+        shape_only = panels.view(k, n)   # small_m_mm's K-major operand, not read where panels are given
+        step, w = cpu.GEMM_MAX_ROWS, None
+        for i in range(0, a.shape[0], step):
+            if not cpu.small_m_mm(a[i:i + step], shape_only, out[i:i + step], accumulate, panels=panels):
+                w = self.dense() if w is None else w
+                _dense_mm(a[i:i + step], w, out[i:i + step], accumulate)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -144,6 +171,21 @@ class QuantizedLinear(nn.Module):
         zeros = None if first.kind == "int8" else torch.cat([m.zeros for m in modules])
         return cls(first.kind, torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
                    zeros, bias, first.in_features)
+
+
+_panels = threading.local()   # per thread: (n, k) -> a float32 [n / PANEL, k, PANEL] buffer, reused
+PANEL_BUFFER_MAX = 64 << 20   # bytes: a larger weight (an LM head) de-quantizes for torch's GEMM instead
+
+
+def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
+    """This thread's buffer for an [n, k] weight's panels (None where n is no multiple of PANEL or it is too
+    large to keep): kept, so that a prefill does not fault in fresh pages for every layer's weights."""
+    if n % PANEL or 4 * n * k > PANEL_BUFFER_MAX:
+        return None
+    buffers = _panels.__dict__.setdefault("by_shape", {})
+    if (n, k) not in buffers:
+        buffers[(n, k)] = torch.empty(n // PANEL, k, PANEL)
+    return buffers[(n, k)]
 
 
 def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
