@@ -112,7 +112,7 @@ class QuantizedLinear(nn.Module):
         panels = _panel_buffer(n, k)
         if panels is None or not cpu.dequantize(self.qweight, self.scales, self.zeros, panels):
             return False
-        shape_only = panels.view(k, n)   # small_m_mm's K-major operand, not read where panels are given
+        shape_only = panels.view(k, n)   # small_m_mm's K-major operand: not read, the panels pass its checks
         step, w = cpu.GEMM_MAX_ROWS, None
         for i in range(0, a.shape[0], step):
             if not cpu.small_m_mm(a[i:i + step], shape_only, out[i:i + step], accumulate, panels=panels):
