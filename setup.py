@@ -2,7 +2,7 @@
 
 LMQL 0.7.3 discovers no plugins (no entry points, no hook in `import lmql`), so `lmql.model("local:lmq:...")`
 works without an import only if lmq's hook runs at start-up: `site` runs the .pth file's one line, which
-installs an import hook that acts when LMQL's modules load (lmq_backend/lmql_hook.py). Everything else is in
+installs an import hook that acts when LMQL's modules load (lmq_backend/lmql/hook.py). Everything else is in
 pyproject.toml.
 """
 from pathlib import Path

@@ -3,7 +3,7 @@
 1. The host: CPU, ISA the kernels are built for (`cpu.isa()`), the GEMM's blocking, torch, threads, load.
 2. The small-M GEMM on SmolLM2-135M's shapes (K x N: 576x1728, 1536x576, 576x576, 576x192, the lm_head
    576x49152, plus the fused step's 576x960 and 576x3072) at M rows: lmq's kernel (this tree's build for the
-   host), optionally the kernel of an older commit (`--before REV`: its cpu_gemm.c built the same way), and
+   host), optionally the kernel of an older commit (`--before REV`: its gemm.c built the same way), and
    torch.mm on the same K-major weights. Weights come from a ring of copies larger than the last-level cache
    (every layer of a decode step reads its own weights cold); the sides alternate call by call; ms, best and
    median of `--reps` calls.
@@ -41,9 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as W  # noqa: E402
 
-from lmq_kernels import cpu, cpu_benches  # noqa: E402
-from lmq_kernels.cpu_build import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
-from lmq_kernels.cpu_calibration import measure  # noqa: E402
+from lmq_kernels import cpu  # noqa: E402
+from lmq_kernels.cpu import benches as cpu_benches  # noqa: E402
+from lmq_kernels.cpu.build import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
+from lmq_kernels.cpu.calibration import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
@@ -60,19 +61,19 @@ def host_lines() -> list[str]:
 
 
 def old_gemm(rev: str):
-    """lmq_small_m_gemm of commit `rev` (same signature; or of the cpu_gemm.c in the folder `rev`), built like
+    """lmq_small_m_gemm of commit `rev` (same signature; or of the gemm.c in the folder `rev`), built like
     the library (-march=native)."""
     tmp = Path(tempfile.mkdtemp(prefix="lmq-before-"))
-    for name in ("cpu_gemm.c", "cpu_simd.h"):
+    for name in ("gemm.c", "simd.h"):
         if Path(rev).is_dir():
             if (Path(rev) / name).exists():
                 (tmp / name).write_text((Path(rev) / name).read_text())
             continue
-        done = subprocess.run(["git", "show", f"{rev}:lmq_kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "show", f"{rev}:lmq_kernels.triton/{name}"], cwd=ROOT, capture_output=True, text=True)
         if done.returncode == 0:
             (tmp / name).write_text(done.stdout)
     out = tmp / "gemm.so"
-    subprocess.run([compiler(), *FLAGS, "-march=native", "-o", str(out), str(tmp / "cpu_gemm.c")], check=True)
+    subprocess.run([compiler(), *FLAGS, "-march=native", "-o", str(out), str(tmp / "gemm.c")], check=True)
     f = ctypes.CDLL(str(out)).lmq_small_m_gemm
     c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
     f.argtypes = [ptr, c_long, ptr, c_long, ptr, c_long, c_int, c_long, c_long, c_int, c_int]
@@ -84,15 +85,15 @@ def old_gemm(rev: str):
 
 
 def old_library(rev: str):
-    """The whole library with commit `rev`'s cpu_gemm.c (or the folder `rev`'s) and this tree's other
+    """The whole library with commit `rev`'s gemm.c (or the folder `rev`'s) and this tree's other
     sources, None if it does not build."""
     tmp = Path(tempfile.mkdtemp(prefix="lmq-before-lib-"))
     for f in SOURCES + HEADERS:
         (tmp / f.name).write_text(f.read_text())
     if Path(rev).is_dir():
-        (tmp / "cpu_gemm.c").write_text((Path(rev) / "cpu_gemm.c").read_text())
+        (tmp / "gemm.c").write_text((Path(rev) / "gemm.c").read_text())
     else:
-        (tmp / "cpu_gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:lmq_kernels/cpu_gemm.c"], cwd=ROOT,
+        (tmp / "gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:lmq_kernels.triton/gemm.c"], cwd=ROOT,
                                                        capture_output=True, text=True, check=True).stdout)
     built = build_library(tmp / "out", sources=tmp)
     if built.path is None:
@@ -229,7 +230,7 @@ def bench_decode(rounds: int, before_lib=None) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", help="a commit (or a folder) whose cpu_gemm.c to compare with")
+    ap.add_argument("--before", help="a commit (or a folder) whose gemm.c to compare with")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)

@@ -7,7 +7,7 @@ Shapes: Llama-3.2-1B (Hq=32, H_kv=8, D=64, 16 layers) and SmolLM2-135M
 Methods, each captured in a CUDA graph that runs every layer of the model
 (several copies of the layer stack when one stack would fit in L2, so K/V are
 read from HBM as in a real decode step where the weights flush L2):
-  triton   lmq_kernels.decode_attention (default heuristic; sweep of variants too)
+  triton   lmq_kernels.triton.decode_attention (default heuristic; sweep of variants too)
   sdpa     torch SDPA on the padded cache [:, :, :end] with a boolean pad mask, enable_gqa
   sdpa_nm  torch SDPA without mask (lower bound for what SDPA can do; wrong for padded rows)
   ref      decode_attention_reference (plain torch, fp32 math)
@@ -34,12 +34,12 @@ HBM_BW = 4.3e12  # B/s
 
 def _load_kernels():
     try:
-        import lmq_kernels as km  # noqa: F401
+        import lmq_kernels.triton as km  # noqa: F401
 
         return km
     except Exception:
         here = os.path.dirname(os.path.abspath(__file__))
-        kdir = os.path.join(os.path.dirname(here), "lmq_kernels")
+        kdir = os.path.join(os.path.dirname(here), "lmq_kernels.triton")
         spec = importlib.util.spec_from_file_location(
             "lmq_kernels_bench", os.path.join(kdir, "__init__.py"), submodule_search_locations=[kdir]
         )

@@ -27,7 +27,7 @@ import numpy as np
 
 from lmq_backend.language.parser import parse_query
 from lmq_backend.runtime.constraints import compile_hole_constraint, constraint_for_hole
-from lmq_backend.runtime.vocab import VocabIndex
+from lmq_backend.text.vocab import VocabIndex
 
 
 def best_of(fn, runs: int = 5) -> float:

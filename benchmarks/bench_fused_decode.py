@@ -40,13 +40,13 @@ def _import_engine():
         for name in [m for m in sys.modules if m == "lmq_backend" or m.startswith("lmq_backend.")]:
             del sys.modules[name]
         try:
-            import lmq_kernels  # noqa: F401
+            import lmq_kernels.triton  # noqa: F401
         except ImportError:
             spec = importlib.util.spec_from_file_location(
-                "lmq_kernels", os.path.join(ROOT, "lmq_kernels", "__init__.py"),
-                submodule_search_locations=[os.path.join(ROOT, "lmq_kernels")])
+                "lmq_kernels.triton", os.path.join(ROOT, "lmq_kernels.triton", "__init__.py"),
+                submodule_search_locations=[os.path.join(ROOT, "lmq_kernels.triton")])
             mod = importlib.util.module_from_spec(spec)
-            sys.modules["lmq_kernels"] = mod
+            sys.modules["lmq_kernels.triton"] = mod
             spec.loader.exec_module(mod)
         for name, path in (("lmq_backend", "lmq_backend"), ("lmq_backend.engine", "lmq_backend/engine")):
             pkg = types.ModuleType(name)

@@ -1,7 +1,7 @@
 """LMQL plugin benchmark (issue #7): the W1 few-shot query written in LMQL, run by LMQL 0.7.3 on
 
   lmql-hf   LMQL's own transformers backend, `lmql.model("local:<dir>")`: the whole prompt every call
-  lmq       `lmql.model("local:lmq:default")` (lmq_backend.lmql_plugin): the prefix trie of KV caches
+  lmq       `lmql.model("local:lmq:default")` (lmq_backend.lmql.plugin): the prefix trie of KV caches
 
 with the same model (the default SmolLM2-135M folder, no hub), in one run, calls alternating between the
 two, both in LMQL's default `local:` mode (the model in a subprocess); prints per-call medians, the ratio
@@ -28,7 +28,7 @@ import workloads as W  # noqa: E402
 import lmql  # noqa: E402
 
 import lmq_backend  # noqa: E402
-import lmq_backend.lmql_plugin as lmq_lmql  # noqa: E402
+import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402
 from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
 
 W1_LMQL = '''

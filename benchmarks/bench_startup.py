@@ -1,7 +1,7 @@
 """Start-up times (issue #16), each in a fresh interpreter, the default model already converted:
 
   import       `python -c "import lmq_backend"`
-  plugin       `python -c "import lmq_backend.lmql_plugin"`
+  plugin       `python -c "import lmq_backend.lmql.plugin"`
   lmq run      `lmq run examples/number.lmq` (the first run of a CLI user: load the default model, one query)
   backend      `HFBackend("default")` alone, split by phase (model files, engine set-up with the fused layout
                built and taken from disk, vocabulary index)
@@ -60,11 +60,11 @@ try:
     phase("ModelRunner(model, weights_folder=): from disk")
 except ImportError:
     pass
-from lmq_backend.runtime.vocab import VocabIndex
+from lmq_backend.text.vocab import VocabIndex
 VocabIndex(tok, model.config.vocab_size)
 phase("VocabIndex built")
 try:
-    from lmq_backend.backend.vocab_cache import vocab_index
+    from lmq_backend.text.vocab_cache import vocab_index
     vocab_index(AutoTokenizer.from_pretrained(str(path)), model.config.vocab_size)  # (writes it once)
     fresh = AutoTokenizer.from_pretrained(str(path))
     t, c = time.perf_counter(), time.process_time()
@@ -128,7 +128,7 @@ def main() -> None:
     if "import" in parts:
         median_of('python -c "import lmq_backend"', [py, "-c", "import lmq_backend"], a.repeat)
     if "plugin" in parts:
-        median_of('python -c "import lmq_backend.lmql_plugin"', [py, "-c", "import lmq_backend.lmql_plugin"],
+        median_of('python -c "import lmq_backend.lmql.plugin"', [py, "-c", "import lmq_backend.lmql.plugin"],
                   a.repeat)
     if "run" in parts:
         median_of("lmq run examples/number.lmq", [lmq, "run", "examples/number.lmq"], a.repeat)
@@ -139,7 +139,7 @@ def main() -> None:
             print(f"  {k:<44} {wall:7.2f} s wall {cpu:7.2f} s CPU", flush=True)
     if "lmql" in parts:
         for label, plugin, model in [
-            ("lmql: plugin import + tokenizer=, 1st query", "import lmq_backend.lmql_plugin as p",
+            ("lmql: plugin import + tokenizer=, 1st query", "import lmq_backend.lmql.plugin as p",
              "'local:lmq:default', tokenizer=p.model('default').configuration['tokenizer']"),
             ("lmql: lmql.model('local:lmq:default') alone", "", "'local:lmq:default'"),
         ]:

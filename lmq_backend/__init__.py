@@ -1,7 +1,7 @@
 """lmq: LMQL-style constrained generation on local Hugging Face models, with a prefix trie of KV caches.
 
 Names are imported on first use (PEP 562): `import lmq_backend` loads no torch, transformers or lark, so
-that it stays cheap for the CLI, the LMQL plugin and the `lmq-lmql.pth` hook (`lmql_hook.py`).
+that it stays cheap for the CLI, the LMQL plugin and the `lmq-lmql.pth` hook (`hook.py`).
 """
 from __future__ import annotations
 

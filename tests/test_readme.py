@@ -27,7 +27,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from readme_blocks import python_blocks  # noqa: E402
+from support.readme_blocks import python_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = python_blocks(README)

@@ -27,12 +27,12 @@ from ..engine.rows import Preempted, Row
 from ..engine.scheduler import Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
-from ..runtime.vocab import VocabIndex
+from ..text.vocab import VocabIndex
 from .budgets import default_kv_budget, parse_bytes
 from .hole_loop import HoleLoop
 from .proposals import Proposals
 from .protocol import Backend, NextTokens, Sequence
-from .vocab_cache import vocab_index
+from ..text.vocab_cache import vocab_index
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if str(dtype) in QUANTIZED_DTYPES:  # weight-only quantized: loaded in float32, then quantized

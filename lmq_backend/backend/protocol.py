@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..cache.stats import CacheStats, StepInfo
     from ..runtime.constraints import HoleState
     from ..runtime.decoders import Sampler
-    from ..runtime.vocab import VocabIndex
+    from ..text.vocab import VocabIndex
 
 
 @dataclass(frozen=True, slots=True)

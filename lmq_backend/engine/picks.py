@@ -88,7 +88,7 @@ class Draw:
 
 def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row):
-    on a GPU two passes over the rows (`lmq_kernels.sample_rows`, the kernel a decode step's graph samples
+    on a GPU two passes over the rows (`lmq_kernels.triton.sample_rows`, the kernel a decode step's graph samples
     with, so that the host and the device pick alike), else one softmax, one cumulative sum, one search
     (`inverse_cdf`); rows that cut a nucleus by `inverse_cdf` everywhere. Returns [R] int64 on the logits'
     device. A row's token is the same whatever rows share the call (each row's arithmetic is its own; the
@@ -106,7 +106,7 @@ def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
         part = logits if len(rows) == r else logits[idx]
         masks = [draws[i].allowed for i in rows]
         if top_p is None and device.type == "cuda":
-            from lmq_kernels.sample_rows import sample_rows  # (imports triton: not at start-up)
+            from lmq_kernels.triton.sample_rows import sample_rows  # (imports triton: not at start-up)
 
             table, index = _mask_table(masks, logits.shape[1], device)
             index = torch.tensor(index, dtype=torch.int32, device=device)

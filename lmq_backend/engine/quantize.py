@@ -7,7 +7,7 @@ the weights are stored small:
 
     int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
     int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
-                                             (lmq_kernels/cpu_qgemm.c), d and m [N, K/32]: g = k / 32
+                                             (lmq_kernels.triton/qgemm.c), d and m [N, K/32]: g = k / 32
 
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu_step import PANEL
+from lmq_kernels.cpu.step import PANEL
 
 QUANTIZED_DTYPES = ("int8", "int4")
 GROUP_SIZE = 32  # int4 weights per (d, m) pair along K, as GGUF's Q4_1
@@ -70,7 +70,7 @@ class QuantizedLinear(nn.Module):
         return q.mul_(self.scales[..., None]).add_(self.zeros[..., None]).view(n, k)  # rounded twice, no FMA
 
     def dense(self) -> torch.Tensor:
-        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy (cpu_qgemm.c, the same bits as
+        """W as float32 [N, K], a new tensor: lmq's de-quantizing copy (qgemm.c, the same bits as
         `dequantize`), torch's passes where it cannot run."""
         w = torch.empty(self.shape)
         if not cpu.dequantize(self.qweight, self.scales, self.zeros, w):

@@ -115,7 +115,7 @@ def _masked_picks(masks: list[torch.Tensor | None], logits: torch.Tensor):
     """`out` := the picks of `logits` [B, V] under each mask, as a callable (z, out): `MaskedPicks` on a GPU
     (imports triton: not at start-up); without triton, one masked argmax a mask."""
     try:
-        from lmq_kernels.masked_argmax import MaskedPicks
+        from lmq_kernels.triton.masked_argmax import MaskedPicks
     except ImportError:
         return lambda z, out: out.copy_(torch.stack([masked_argmax(z, m) for m in masks]))
     v, device = logits.shape[1], logits.device

@@ -1,4 +1,4 @@
-"""The lmq query language: grammar (lmq_grammar/lmq.lark), parser and compile-time checks.
+"""The lmq query language: grammar (grammar/lmq.lark), parser and compile-time checks.
 
 - `parse_query(source) -> QueryAST`: syntax, prompt templates, constraint forms.
 - `check_query(q, inputs=None, known_globals=frozenset())`: semantic checks (holes, decoder, ...).

@@ -1,4 +1,4 @@
-"""The query AST: what `lmq_grammar/lmq.lark` parses into, one class per grammar rule that matters.
+"""The query AST: what `grammar/lmq.lark` parses into, one class per grammar rule that matters.
 
 The language knows nothing of torch or backends. Python expressions inside a query are kept as their
 source text plus a code object compiled once at compile time (`PyExpr`); the runtime evaluates them with

@@ -4,7 +4,7 @@
 
 1. normalise the text (line endings, `textwrap.dedent`, a leading `lmql`/`lmq` marker line blanked out,
    trailing blank lines dropped);
-2. parse it with the LALR grammar `lmq_grammar/lmq.lark` and the indenter `_LMQIndenter`;
+2. parse it with the LALR grammar `grammar/lmq.lark` and the indenter `_LMQIndenter`;
 3. transform the statement-level tree with `QueryTransformer` (one method per grammar rule); Python
    expressions are sliced out of the source and compiled with Python's own `compile` (a Python
    `SyntaxError` becomes an `LMQSyntaxError` at the expression's position); prompt strings are
@@ -17,7 +17,7 @@ unknown inputs) are in `checks.check_query`, which the caller runs after `parse_
 model call. Both only ever raise `LMQError` subclasses.
 
 Files: this one (steps 1-2 and the entry point: the indenter, lark, syntax errors), `source.py` (the
-normalised text and its positions), `transformer.py` (step 3, mirroring `lmq_grammar/lmq.lark` rule by
+normalised text and its positions), `transformer.py` (step 3, mirroring `grammar/lmq.lark` rule by
 rule), `python_code.py` (Python expressions and statements), `templates.py` (prompt strings),
 `where.py` (step 4).
 """

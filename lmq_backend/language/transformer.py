@@ -1,5 +1,5 @@
 """`QueryTransformer`: lark's statement-level parse tree -> `QueryAST`, one method per rule of
-`lmq_grammar/lmq.lark`."""
+`grammar/lmq.lark`."""
 from __future__ import annotations
 
 import ast

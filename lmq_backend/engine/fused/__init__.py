@@ -6,7 +6,7 @@
     prefill.py   `Prefill`: the layer loop over many new tokens per row
     graphs.py    `GraphSteps`: CUDA-graph capture per batch bucket, greedy picks on the device, run-ahead
     decoder.py   `FusedDecoder`: the decode step (static buffers, the per-step entry points, CPU attention)
-    cpu_step.py  a CPU step's layers in one C call (lmq_kernels/cpu_step.c) where measured faster
+    cpu_step.py  a CPU step's layers in one C call (lmq_kernels.triton/step.c) where measured faster
 """
 from .decoder import FusedDecoder
 from .graphs import DevicePicks, bucket_for

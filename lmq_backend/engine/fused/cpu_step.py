@@ -1,4 +1,4 @@
-"""A CPU decode step's layers in one C call (`lmq_kernels.cpu_step`) instead of the layer loop's ~9 op
+"""A CPU decode step's layers in one C call (`lmq_kernels.cpu.step`) instead of the layer loop's ~9 op
 calls a layer (`FusedDecoder._layers`), where measurement says it is the faster on this machine.
 
     run_layers(decoder, bp) -> bool     True: the layers ran in C; False: run the per-op loop
@@ -21,7 +21,7 @@ import os
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu_step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers, panel_major
+from lmq_kernels.cpu.step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers, panel_major
 
 from ..quantize import QuantizedLinear
 from .weights import loads
@@ -88,7 +88,7 @@ def layer_panels(decoder) -> list[tuple]:
 
 
 def plan_for(decoder) -> LayerPlan | None:
-    """The decoder's layers as a `LayerPlan` (None where cpu_step.c cannot take them)."""
+    """The decoder's layers as a `LayerPlan` (None where step.c cannot take them)."""
     panels = _panels_fit(decoder)
     layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, *(_weight(w, panels) for w in (lw.wqkv, lw.wo, lw.wgu,
                                                                                    lw.wdown)),

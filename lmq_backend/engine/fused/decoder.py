@@ -2,7 +2,7 @@
 
 One call of `FusedDecoder.step` runs one new token per row of a left-padded batch whose K/V live in the
 backend's store, read through the rows' page tables (`kv_pool.py`, `cache/kv_store.py`,
-`lmq_kernels.decode_attention`):
+`lmq_kernels.triton.decode_attention`):
 
     store: [L, 2, slots, H_kv, D]      table: int32 [rows, S_max], column -> store slot
     rows are table[:B]; row b's valid columns [start[b], end); "pool[l,0,b,:,c]" below is store[l, 0, table[b, c]]
@@ -46,9 +46,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmq_kernels import NewToken, cpu, decode_attention
-from lmq_kernels.cpu_layout import padded_stride
-from lmq_kernels.masked_argmax import MaskedPicks
+from lmq_kernels import cpu
+from lmq_kernels.triton import NewToken, decode_attention
+from lmq_kernels.cpu.layout import padded_stride
+from lmq_kernels.triton.masked_argmax import MaskedPicks
 
 from ..attention import grouped_attention
 from .cpu_step import head_panels, layer_panels, run_layers
@@ -248,7 +249,7 @@ class FusedDecoder(GraphSteps, Prefill):
         it); `draws`: {row: (temperature, u, after)} for the rows whose pick is sampled instead (under that
         mask at u, as `picks.sample` samples; a run-ahead step's at `after`); `key`: see `run_ahead`; `cascade`:
         whether blocks of consecutive rows share prefixes (`KVPool.shares_prefixes`): attention then reads a
-        shared tile once for a block (`lmq_kernels.decode_attention`), else a row at a time."""
+        shared tile once for a block (`lmq_kernels.triton.decode_attention`), else a row at a time."""
         B = len(tokens)
         self._specs = (tuple(ahead) if ahead is not None else (0,) * B, draws or {})
         last = (key, tuple(starts)) if key is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmq_kernels.sample_rows import sample_rows
+from lmq_kernels.triton.sample_rows import sample_rows
 
 from ..picks import inverse_cdf, masked_argmax
 

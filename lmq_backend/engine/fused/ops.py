@@ -16,7 +16,7 @@ from lmq_kernels import cpu
 
 from ...paths import cache_dir
 from ..quantize import QuantizedLinear
-from .kernels import _rmsnorm_kernel, _silu_mul_kernel, rope_append
+from lmq_kernels.triton.ops import _rmsnorm_kernel, _silu_mul_kernel, rope_append
 from .weights import _Layer, _why_not, decoder_weights
 
 

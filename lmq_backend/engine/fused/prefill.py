@@ -3,7 +3,7 @@ loop over the T new tokens of B left-padded rows at once.
 
 [B T, ...] activations allocated per call, the RoPE/append kernel writing token t of row b to column
 end - T + t (padding tokens, at position -1, write nothing), attention over the rows' columns [start, end)
-through the page tables (no K/V copied): on a GPU by `lmq_kernels.prefill_attention`, on a CPU by
+through the page tables (no K/V copied): on a GPU by `lmq_kernels.triton.prefill_attention`, on a CPU by
 `lmq_kernels.cpu.prefill_attention` (C), each where it pays (see `prefill`); else by `grouped_attention` over a
 gathered copy (torch's fused attention, a boolean mask only when rows differ in length); final norm and LM
 head for the last token of each row. Eager: every prefill has new
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.decode_attention import sm_count
-from lmq_kernels.prefill_attention import prefill_attention
-from lmq_kernels.prefill_attention import programs as paged_programs
+from lmq_kernels.triton.decode_attention import sm_count
+from lmq_kernels.triton.prefill_attention import prefill_attention
+from lmq_kernels.triton.prefill_attention import programs as paged_programs
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
 from .cpu_step import head_panels, layer_panels
@@ -106,7 +106,7 @@ class Prefill(LayerOps):
         return logits
 
     def _paged_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
-        """Attention through the rows' page tables (`lmq_kernels.prefill_attention`): no K/V copied, a cached
+        """Attention through the rows' page tables (`lmq_kernels.triton.prefill_attention`): no K/V copied, a cached
         prefix that rows share read once from memory and from the L2 cache after."""
         table, out = self.table[slot:slot + B], None
 

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from lmq_kernels.cpu_layout import padded_stride
+from lmq_kernels.cpu.layout import padded_stride
 
 from ..quantize import QuantizedLinear
 

@@ -9,7 +9,7 @@ from ...errors import (
     LMQUnknownConstraintError,
 )
 from ...language import ast
-from ..vocab import VocabIndex
+from ...text.vocab import VocabIndex
 from .checks import (
     KNOWN_FUNCS, STOP_FUNCS, _check_limit_value, _check_options_value, _check_string_arg, _json_schema_text,
     _max_len, _mentions, _static_test, _unsupported_nested,

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import LMQRuntimeError
-from ..vocab import VocabIndex
+from ...text.vocab import VocabIndex
 from .nodes import _Ctx, _FreeNode, _Node
 from .stops import Stop, _StopString
 

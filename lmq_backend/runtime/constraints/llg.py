@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import LMQCompileError, LMQRuntimeError
 from ...language import ast
-from ..vocab import VocabIndex
+from ...text.vocab import VocabIndex
 from .nodes import _Node, _State
 from .selection import _span
 

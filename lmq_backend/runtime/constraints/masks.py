@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..vocab import VocabIndex
+from ...text.vocab import VocabIndex
 from .nodes import _Ctx, _Node, _State
 
 
