@@ -6,7 +6,7 @@ alone, on the CPU: `bench_concurrency.py`'s query and texts (a ~1,060-token shar
 call's own review, a hole of up to 16 tokens), the default model's tokenizer, and a random-weight Llama of
 one small layer (head dim 64, so that lmq's C decode attention runs: what remains of the model is small).
 Timers around the runner's model calls (`ModelRunner.decode`, `.prefill`, `.sample`) and the greedy picks
-(`runner_picks`' masked argmax, which a GPU step makes on the device) take the model's share out; the rest of a round,
+(`picks_cpu`' masked argmax, which a GPU step makes on the device) take the model's share out; the rest of a round,
 divided by N, is the host's work a query: the interpreter, tokenizing the new tail, the trie, admission, the
 steps' bookkeeping, the hole loop's checks and plans, results. The cyclic collector's time in the round
 (`gc.callbacks`) is shown apart (counted wherever it ran: mostly inside the rest, some inside the model's calls).
@@ -36,7 +36,7 @@ import workloads as W  # noqa: E402
 
 import lmq_backend as lmq  # noqa: E402
 from lmq_backend.engine import runner as runner_module  # noqa: E402
-from lmq_backend.engine import runner_picks  # noqa: E402
+from lmq_backend.engine import picks_cpu  # noqa: E402
 
 SPENT: Counter = Counter()
 
@@ -93,7 +93,7 @@ def main() -> None:
                                         where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
     for name in ("decode", "prefill", "sample"):
         timed(runner_module.ModelRunner, name, "model")
-    timed(runner_picks, "masked_argmax", "model")  # the CPU's greedy picks (a GPU step makes them on the device)
+    timed(picks_cpu, "masked_argmax", "model")  # the CPU's greedy picks (a GPU step makes them on the device)
     gc.callbacks.append(collector_seconds)
     shots = W.w1_shots(40)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "

@@ -21,17 +21,16 @@ from ..cache.stats import CacheStats, TemplateStats
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.compat import PRETRAINED
 from ..engine.quantize import QUANTIZED_DTYPES
-from ..engine.picks import Choices, Draw, numbering
+from ..engine.picks import Choices, Draw, Sampler, numbering
 from ..engine.runner import ModelRunner, PrefillRow
 from ..engine.rows import Preempted, Row
 from ..engine.scheduler import Scheduler
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
-from ..runtime.decoders import DEFAULT_MAX_LEN, Sampler
 from ..text.vocab import VocabIndex
 from .budgets import default_kv_budget, parse_bytes
 from .hole_loop import HoleLoop
 from .proposals import Proposals
-from .protocol import Backend, NextTokens, Sequence
+from .protocol import DEFAULT_MAX_LEN, Backend, NextTokens, Sequence
 from ..text.vocab_cache import vocab_index
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:

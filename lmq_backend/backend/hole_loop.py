@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LMQRuntimeError
-from ..engine.picks import Checked, Draw, sample
-from ..runtime.decoders import Greedy, Sampler, Sampling
+from ..engine.picks import Checked, Draw, Greedy, Sampler, Sampling, sample
 
 
 class HoleLoop:

@@ -12,15 +12,32 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
 
     from ..cache.stats import CacheStats, StepInfo
-    from ..runtime.constraints import HoleState
-    from ..runtime.decoders import Sampler
+    from ..engine.picks import Sampler
     from ..text.vocab import VocabIndex
+
+DEFAULT_MAX_LEN = 2048  # a sequence's most tokens where the query names no max_len
+
+
+class HoleState(Protocol):
+    """What `Backend.generate` asks of a hole's constraint, token by token (the runtime's
+    `constraints.HoleState` is one; its module says what each call means)."""
+
+    text: str
+
+    def allowed(self) -> np.ndarray | None:
+        """bool [V]: the tokens that may extend the value (None: every non-special token)."""
+
+    def can_end(self) -> bool:
+        """May the value end here?"""
+
+    def advance(self, token: int) -> Any:
+        """Append a token; a stop (`text`, `keep`, `tail`) when a stop rule fired, else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +57,7 @@ class Sequence:
     template: str
     ids: list[int] = field(default_factory=list)
     text: str = ""
-    max_len: int = 2048
+    max_len: int = DEFAULT_MAX_LEN
     handle: Any = None  # owned by the backend (e.g. the pinned trie node)
 
 

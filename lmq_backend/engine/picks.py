@@ -1,66 +1,39 @@
-"""The picks from a row's logits. `masked_argmax`: the greedy pick under a token mask, shared by the runtime's
-`Greedy` decoder, the runner's prefill picks and the fused step's device picks, so that all three pick the same
-token. `sample`: the sampled picks of `Draw`s, shared by the `Sampling` decoder and the decode steps, which
-sample all their sampling rows at once. `choose`: a beam's next choices (`Choices`), all rows of a step at
-once."""
+"""Picking a token: what a pick asks for, and the picks, on the logits' device.
+
+What a pick asks for, settled before its logits exist: a `Draw` (a sampled pick: temperature, nucleus, the
+uniform it inverts), `Choices` (a beam's next tokens), `Checked` (a greedy pick the host checks against a
+constraint). A `Sampler` is how a hole picks: `Greedy`, `Sampling` (one uniform a pick, from its own
+generator), or a plugin's own `select`.
+
+The picks, for all rows of a step at once, one module per device behind these functions: `picks_cpu.py`
+(lmq's C kernels where calibration chose them, rows in cache-sized groups) and `picks_gpu.py` (Triton
+kernels, pinned copies; the picks a CUDA-graph step makes on the device). `masked_argmax` is the one greedy
+pick (of `Greedy`, the runner's picks under its greedy masks and the fused step's device picks), `sample` the
+one sampled pick (of `Sampling` and the steps that sample all their rows at once), `choose` a beam's choices:
+whichever path picks, the token is the same.
+"""
 from __future__ import annotations
 
-import weakref
+import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-_EVERY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see `allows_every_token`
+from . import picks_cpu
+from .picks_cpu import allows_every_token, inverse_cdf, masked_argmax, nucleus  # noqa: F401 (the interface)
 
 
-def allows_every_token(mask: torch.Tensor) -> torch.Tensor:
-    """Mark `mask` (bool [V], all True) as what it is: the host picks under it as under None (no mask pass),
-    where a mask object distinct from None is needed (one of the runner's greedy masks: `Proposals`)."""
-    _EVERY[id(mask)] = mask
-    return mask
+def _on(device: torch.device):
+    """The picks module of `device`."""
+    if device.type == "cuda":
+        from . import picks_gpu  # (imports triton on first use: not at start-up)
+
+        return picks_gpu
+    return picks_cpu
 
 
-def numbering(masks) -> dict[int, int]:
-    """id of each mask object (None too) -> its number in `masks` (the first, where one repeats); the masks must
-    be held for as long as the ids are looked up."""
-    return {id(m): k for k, m in reversed(list(enumerate(masks or ())))}
-
-
-def _plain(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None or _EVERY.get(id(mask)) is mask else mask
-
-
-def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Index of the largest logit among the allowed tokens, over the last dimension.
-
-    logits: [..., V]; allowed: bool broadcastable to logits (e.g. [V], or [K, 1, V] against [1, B, V] for a
-    pick under each of K masks), or None for every token; moved to the logits' device. Ties go to the
-    first maximal logit (torch.argmax), so the pick is exact and the same on every device. Returns [...]
-    (int64, on the logits' device)."""
-    allowed = _plain(allowed)
-    if logits.device.type == "cpu" and logits.dim() <= 2 and (allowed is None or allowed.dim() == 1):
-        rows = logits.reshape(-1, logits.shape[-1])
-        return greedy(rows, [allowed] * len(rows)).reshape(logits.shape[:-1])
-    if allowed is not None:
-        allowed = allowed.to(logits.device, non_blocking=logits.device.type == "cuda")
-        logits = torch.where(allowed, logits, float("-inf"))
-    return logits.argmax(-1)
-
-
-def greedy(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
-    """Row i's greedy pick of `logits` [R, V] under masks[i] (bool [V], None: every token): `masked_argmax`'s
-    pick, for all rows at once. On a CPU lmq's kernel (`lmq_kernels.cpu.masked_argmax`: one pass a row, each
-    mask read where it lies) where calibration chose it; else one where and one argmax. int64 [R] on the
-    logits' device."""
-    z, masks = logits.float(), [_plain(m) for m in masks]
-    if z.device.type == "cpu":
-        from lmq_kernels import cpu  # (not at start-up)
-
-        out = torch.empty(len(masks), dtype=torch.long)
-        if cpu.masked_argmax(z, None if all(m is None for m in masks) else masks, out):
-            return out
-    return _masked(z, masks).argmax(-1)
-
+# ----- what a pick asks for -------------------------------------------------------------------------------
 
 class Checked(int):
     """A row's `ahead` (see `ModelRunner.decode`): one of the runner's greedy masks, as an int is, whose pick the
@@ -86,160 +59,6 @@ class Draw:
     after: float | None = None
 
 
-def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
-    """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row):
-    on a GPU two passes over the rows (`lmq_kernels.triton.sample_rows`, the kernel a decode step's graph samples
-    with, so that the host and the device pick alike), else one softmax, one cumulative sum, one search
-    (`inverse_cdf`); rows that cut a nucleus by `inverse_cdf` everywhere. Returns [R] int64 on the logits'
-    device. A row's token is the same whatever rows share the call (each row's arithmetic is its own; the
-    rows that cut a nucleus are sorted apart from those that do not)."""
-    device, r = logits.device, logits.shape[0]
-    temperature = _column([d.temperature for d in draws], device)  # (greedy rows are not sampled below)
-    u = _column([d.u for d in draws], device)
-    picks = torch.empty(r, dtype=torch.long, device=device)
-    plain = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p >= 1]
-    nucleus = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p < 1]
-    for rows, top_p in ((plain, None), (nucleus, _column([draws[i].top_p for i in nucleus], device))):
-        if not rows:
-            continue
-        idx = torch.tensor(rows, device=device)
-        part = logits if len(rows) == r else logits[idx]
-        masks = [draws[i].allowed for i in rows]
-        if top_p is None and device.type == "cuda":
-            from lmq_kernels.triton.sample_rows import sample_rows  # (imports triton: not at start-up)
-
-            table, index = _mask_table(masks, logits.shape[1], device)
-            index = torch.tensor(index, dtype=torch.int32, device=device)
-            picks[idx] = sample_rows(part, table, index, temperature[idx, 0], u[idx, 0])
-        else:
-            picks[idx] = _inverse_cdf_rows(part.float(), masks, temperature[idx], u[idx], top_p)
-    argmax_rows = [i for i, d in enumerate(draws) if d.temperature <= 0]
-    if argmax_rows:
-        idx = torch.tensor(argmax_rows, device=device)
-        part = logits if len(argmax_rows) == r else logits[idx]
-        picks[idx] = greedy(part, [draws[i].allowed for i in argmax_rows])
-    return picks
-
-
-CPU_CHUNK_BYTES = 6 << 20  # a CPU samples rows in groups of about this many bytes of logits
-
-
-def _cpu_group(logits: torch.Tensor) -> int:
-    """How many rows of `logits` [R, V] a CPU takes at a time (all of them elsewhere)."""
-    return len(logits) if logits.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * logits.shape[1]))
-
-
-def _inverse_cdf_rows(z: torch.Tensor, masks: list[torch.Tensor | None], temperature: torch.Tensor,
-                      u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
-    """`inverse_cdf` of the rows of z [R, V] under their masks; on a CPU a group of rows at a time, whose
-    softmax and cumulative sum stay in the caches between their passes (256 rows of 49,152 at once: 32 ms;
-    32 at a time: 8 ms). A row's token is the same either way (each row's arithmetic is its own)."""
-    n = _cpu_group(z)
-    if n >= len(masks):
-        return inverse_cdf(_masked(z, masks), temperature, u, top_p)
-    return torch.cat([inverse_cdf(_masked(z[i:i + n], masks[i:i + n]), temperature[i:i + n], u[i:i + n],
-                                  None if top_p is None else top_p[i:i + n]) for i in range(0, len(masks), n)])
-
-
-def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Per row of the masked logits z [R, V] (float32), the token of softmax(z / temperature), cut to the
-    top_p nucleus, at which the cumulative mass passes u times the whole (temperature, u, top_p: float32
-    [R, 1]). `sample`'s arithmetic, and a CUDA-graph step's (`fused/graphs.py`), so that both pick alike."""
-    p = torch.softmax(z / temperature, dim=-1)
-    if top_p is not None:  # the most probable tokens, kept in the vocabulary's order (as cut, not as
-        # sorted: a near-tie in two tokens' last bits must not reorder what u selects)
-        p = p * nucleus(p, top_p)
-    cdf = p.cumsum_(-1)
-    total = cdf[:, -1:].contiguous()
-    # never past the last token with mass (u * total may round up to total)
-    return torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))[:, 0]
-
-
-NUCLEUS_CANDIDATES = (64, 1024)  # how many of a row's most probable tokens `nucleus` looks among, in turn
-
-
-def nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row of the probabilities p [R, V], the smallest set of most probable tokens whose mass reaches
-    top_p ([R, 1]; of equal probabilities the lower id first): bool [R, V]. Each row is cut among its 64, then
-    1,024 most probable tokens (a top-k: ~20-50 us a row of 49,152 on a CPU, where sorting the row took
-    1.4-2.7 ms) where the cut lies there, strictly above every token left out; else its whole row is sorted.
-    The same set either way: the tokens kept, their order and their running mass are those of the sort."""
-    r, v = p.shape
-    keep = torch.zeros(r, v, dtype=torch.bool, device=p.device)
-    rows = torch.arange(r, device=p.device)
-    for k in NUCLEUS_CANDIDATES:
-        if k >= v or not len(rows):
-            break
-        values, ids = (p if len(rows) == r else p[rows]).topk(k, dim=-1)
-        by_id = ids.argsort(dim=-1)  # then a stable sort by value: of equal values the lower id first
-        values, ids = values.gather(1, by_id), ids.gather(1, by_id)
-        order = values.argsort(dim=-1, descending=True, stable=True)
-        ranked, ids = values.gather(1, order), ids.gather(1, order)
-        kept = ranked.cumsum(-1) - ranked < top_p[rows]  # a prefix of the ranking
-        n = kept.sum(-1)
-        last = ranked.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
-        cut = (n < k) & (last > ranked[:, -1])  # every token outside the k is below the last one kept
-        if cut.any():
-            done = cut.nonzero()[:, 0]
-            keep[rows[done]] = torch.zeros(len(done), v, dtype=torch.bool, device=p.device).scatter_(
-                1, ids[done], kept[done])
-            rows = rows[~cut]
-    if len(rows):
-        ranked, order = (p if len(rows) == r else p[rows]).sort(dim=-1, descending=True, stable=True)
-        kept = ranked.cumsum(-1) - ranked < top_p[rows]
-        keep[rows] = torch.zeros_like(kept).scatter_(1, order, kept)
-    return keep
-
-
-def per_row(pick, logits: torch.Tensor, asks: list) -> dict:
-    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
-    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
-    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
-    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
-
-def _masked(z: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
-    """z [R, V] with -inf where row i's mask (bool [V], None: every token) is False."""
-    allowed = _stacked(masks, z.shape[1], z.device)
-    return z if allowed is None else torch.where(allowed, z, float("-inf"))
-
-
-def _stacked(masks: list[torch.Tensor | None], v: int, device: torch.device) -> torch.Tensor | None:
-    """Row i's mask (bool [V], None: every token) as row i of a [R, V] (or, one mask for all, [1, V]) bool
-    tensor on `device`; None where no row has a mask."""
-    table, index = _mask_table(masks, v, device)
-    if table is None or len(table) == 1:
-        return table
-    return table[torch.tensor(index, device=device)]
-
-
-def _mask_table(masks: list[torch.Tensor | None], v: int, device: torch.device
-                ) -> tuple[torch.Tensor | None, list[int]]:
-    """The distinct masks (bool [M, V] on `device`, each moved once; None where no row has a mask) and the
-    index of row i's."""
-    index: dict[int, int] = {}
-    unique: list[torch.Tensor | None] = []
-    for m in masks:
-        if id(m) not in index:
-            index[id(m)] = len(unique)
-            unique.append(_plain(m))
-    rows = [index[id(m)] for m in masks]
-    if all(m is None for m in unique):
-        return None, [0] * len(rows)
-    far = [j for j, m in enumerate(unique) if m is not None and m.device.type != device.type]
-    if len(far) > 1:  # the host's masks (a constraint's, one a row) in one copy, not one a mask
-        for j, m in zip(far, torch.stack([unique[j] for j in far]).to(device, non_blocking=True)):
-            unique[j] = m
-    on = [torch.ones(v, dtype=torch.bool, device=device) if m is None else m.to(device, non_blocking=True)
-          for m in unique]
-    return torch.stack(on), rows
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class Choices:
     """A beam's next choices, asked before its logits exist: the `k` most probable tokens of `extend` (bool
@@ -253,24 +72,75 @@ class Choices:
     pickable: torch.Tensor | None = None
 
 
+class Sampler:
+    """How a hole picks its tokens. `select` picks from one row's logits; the engine's own samplers (`Greedy`,
+    `Sampling`) also say so ahead of the logits, so that a step picks all its rows at once."""
+
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        """Pick a token id. logits: [V] float; allowed: bool [V] or None for every token."""
+        raise NotImplementedError
+
+
+class Greedy(Sampler):
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        return int(masked_argmax(logits, allowed))
+
+
+class Sampling(Sampler):
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None):
+        self.temperature, self.top_p = temperature, top_p
+        # Python's Mersenne Twister (seeded from the OS without a seed): a uniform costs far less than
+        # torch.rand on a torch.Generator, a pick, at 1,000s of concurrent queries
+        self.generator = random.Random(seed)
+        self._next = self.generator.random()
+
+    def draw(self, allowed: torch.Tensor | None) -> Draw:
+        """The next pick's draw (one uniform from the generator), before its logits exist: a decode step
+        samples the rows of all its queries' draws at once (`sample`). It tells the uniform of the draw
+        after it too (a GPU step run ahead samples with that)."""
+        u, self._next = self._next, self.generator.random()
+        return Draw(self.temperature, self.top_p, u, allowed, self._next)
+
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        return int(sample(logits[None], [self.draw(allowed)])[0])
+
+
+# ----- the picks ------------------------------------------------------------------------------------------
+
+def greedy(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """Row i's greedy pick of `logits` [R, V] under masks[i] (bool [V], None: every token): `masked_argmax`'s
+    pick, for all rows at once. int64 [R] on the logits' device."""
+    return _on(logits.device).greedy(logits, masks)
+
+
+def sample(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    """The token of each row of `logits` [R, V] under its draw, a few ops for all rows (not a pick a row).
+    Returns [R] int64 on the logits' device. A row's token is the same whatever rows share the call."""
+    return _on(logits.device).sample(logits, draws)
+
+
 def choose(logits: torch.Tensor, asks: list[Choices]) -> list[tuple[list[int], list[float], float | None]]:
-    """Each row's choices (`Choices`) from `logits` [R, V]: one log-softmax, one top-k and one copy to the host
-    for all rows. Per row: (token ids, their log-probabilities, best first, without tokens of no
-    probability; the log-probability of ending, None where the value cannot end or no token ends it). On a
-    CPU a group of rows at a time, as `sample` (256 rows of 49,152: 54 -> 16 ms)."""
-    n = _cpu_group(logits)
-    if n < len(asks):
-        return [c for i in range(0, len(asks), n) for c in choose(logits[i:i + n], asks[i:i + n])]
-    logp = torch.log_softmax(_masked(logits.float(), [a.pickable for a in asks]), dim=-1)
-    extend = _stacked([a.extend for a in asks], logits.shape[1], logits.device)
-    width = max(min(a.k, a.count) for a in asks)
-    top = torch.topk(logp.masked_fill(~extend, float("-inf")), width)
-    ends = logp.masked_fill(extend, float("-inf")).amax(-1)
-    ids, values, ends = top.indices.tolist(), top.values.tolist(), ends.tolist()
-    out = []
-    for a, row_ids, row_values, end in zip(asks, ids, values, ends):
-        n = min(a.k, a.count)
-        keep = [j for j in range(n) if row_values[j] > float("-inf")]
-        out.append(([row_ids[j] for j in keep], [row_values[j] for j in keep],
-                    end if a.can_end and end > float("-inf") else None))
-    return out
+    """Each row's choices (`Choices`) from `logits` [R, V], all rows at once, one copy to the host. Per row:
+    (token ids, their log-probabilities, best first, without tokens of no probability; the log-probability of
+    ending, None where the value cannot end or no token ends it)."""
+    return _on(logits.device).choose(logits, asks)
+
+
+def mask_picks(masks: list[torch.Tensor | None], device: torch.device) -> Callable:
+    """The greedy picks under each of `masks` (bool [V], None: every token), of every row of a step's logits
+    on `device`: `mask_picks(masks, device)(logits)` is `picks(k, row)`, `masked_argmax(logits[row],
+    masks[k])`, all rows' in one op a mask (a GPU's in one op for every mask, one copy to the host)."""
+    return _on(device).MaskPicks(masks)
+
+
+def numbering(masks) -> dict[int, int]:
+    """id of each mask object (None too) -> its number in `masks` (the first, where one repeats); the masks must
+    be held for as long as the ids are looked up."""
+    return {id(m): k for k, m in reversed(list(enumerate(masks or ())))}
+
+
+def per_row(pick, logits: torch.Tensor, asks: list) -> dict:
+    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
+    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
+    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
+    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}

@@ -19,8 +19,7 @@ from ..cache.kv_store import KVStore, token_bytes
 from . import compat
 from .attention import PREFILL_READ, model_attention
 from .kv_pool import KVPool
-from .picks import Draw
-from .runner_picks import RunnerPicks
+from .picks import Choices, Draw, choose, mask_picks, numbering, sample
 
 
 @dataclass(slots=True)
@@ -32,7 +31,7 @@ class PrefillRow:
     ids: list[int]
 
 
-class ModelRunner(RunnerPicks):
+class ModelRunner:
     """Runs the model's forwards for the scheduler. Decode steps of Llama-family models go through the fused
     `FusedDecoder`: CUDA-graph captured over a pool preallocated for `max_batch` rows on a GPU, eager over
     the growable pool on the CPU; their prefills run its layer loop too (`fused_prefill`). Other models
@@ -68,8 +67,8 @@ class ModelRunner(RunnerPicks):
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self._mask_after: torch.Tensor | None = None  # (see set_greedy_masks)
-        self._mask_index: dict[int, int] = {}
-        self._masked_picks = None
+        self._mask_index: dict[int, int] = {}  # id of a greedy mask -> its number
+        self._mask_picks = None  # the picks under the greedy masks of a step's logits (`picks.mask_picks`)
         self.picks = None     # the last step's greedy picks (`picks(k, row)`, see set_greedy_masks), or None
         self._sampled = None  # the last step's `DevicePicks` where it sampled rows on the device (see `sample`)
         # on a GPU: an event that completes with the last step's work (its picks on the host), so that the
@@ -113,7 +112,7 @@ class ModelRunner(RunnerPicks):
     def close(self) -> None:
         """Drop the device buffers of the steps (the fused decoder's CUDA graphs and their inputs, the picks'
         masks): the backend was closed. The model and its laid-out weights are the caller's."""
-        self._decoder = self._masked_picks = self.picks = self._sampled = self.ready = None
+        self._decoder = self._mask_picks = self.picks = self._sampled = self.ready = None
         self.greedy_masks = self._mask_after = None
         self._mask_index = {}
 
@@ -175,6 +174,73 @@ class ModelRunner(RunnerPicks):
         self.picks = self._greedy_picks(stacked)
         self.ready = self._event()
         return stacked, slots
+
+    # ----- picks ------------------------------------------------------------------------------------------
+
+    def set_greedy_masks(self, masks: list[torch.Tensor | None] | None, after: torch.Tensor | None = None) -> None:
+        """Token masks (bool [V], None: every token) under which every step also picks greedily: `picks(k, row)`
+        is then `Greedy().select(logits[row], masks[k])`, on a GPU without a host sync on the logits; a fused
+        GPU step samples a row sampled under one of the masks too; and a step whose rows all give such a pick
+        (`ahead`) runs the next one ahead on those picks (`FusedDecoder.run_ahead`), each row's under mask
+        `after[k, token]` (int [K, V]: the mask a row picking `token` under mask k will likely pick under
+        next; None: k)."""
+        self.greedy_masks, self._mask_after = masks, after
+        self._mask_index = numbering(masks)
+        self._mask_picks = mask_picks(masks, self.device) if masks else None
+        self._decoder = None
+
+    def greedy_mask(self, mask: torch.Tensor | None) -> int | None:
+        """Which of the greedy masks `mask` is (the object, not its values), or None."""
+        return self._mask_index.get(id(mask))
+
+    def _device_picks(self, ahead: list[int | Draw | None] | None) -> tuple[list | None, dict | None]:
+        """The rows' picks as a fused GPU step makes them (`FusedDecoder.step_host`'s `ahead` and `draws`): per
+        row the greedy mask, None where the device cannot pick (nor run ahead), and {row: (temperature, u,
+        after)} for the rows it samples."""
+        if ahead is None:
+            return None, None
+        masks, draws = list(ahead), {}
+        for i, a in enumerate(ahead):
+            if isinstance(a, Draw):
+                pick = self._device_draw(a)
+                masks[i] = None if pick is None else pick[0]
+                if pick is not None:
+                    draws[i] = pick[1:]
+        return masks, draws
+
+    def _device_draw(self, draw: Draw) -> tuple[int, float, float, float] | None:
+        """(mask, temperature, u, after) of a draw the device samples: under one of the greedy masks, without
+        a nucleus; else None."""
+        k = None if draw.temperature <= 0 or draw.top_p < 1 or draw.after is None else self.greedy_mask(draw.allowed)
+        return None if k is None else (k, draw.temperature, draw.u, draw.after)
+
+    @staticmethod
+    def choose(logits: torch.Tensor, asks: list[tuple[int, Choices]]) -> list[tuple]:
+        """The choices (`picks.choose`) of the rows of a step's logits [B, V] that asked ((row, choices) pairs):
+        all at once, one copy to the host."""
+        return choose(_rows(logits, [i for i, _ in asks]), [a for _, a in asks])
+
+    def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
+        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
+        where the step sampled the row with that draw, else a few ops for all the others, one copy to the
+        host."""
+        out: dict[int, int] = {}
+        if self._sampled is not None:
+            for i, d in draws:
+                pick = self._device_draw(d)
+                token = None if pick is None else self._sampled.sampled(i, *pick[:3])
+                if token is not None:
+                    out[i] = token
+        rest = [(i, d) for i, d in draws if i not in out]
+        if rest:
+            rows = [i for i, _ in rest]
+            out.update(zip(rows, sample(_rows(logits, rows), [d for _, d in rest]).tolist()))
+        return [out[i] for i, _ in draws]
+
+    def _greedy_picks(self, logits: torch.Tensor):
+        """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask (None without
+        greedy masks)."""
+        return None if self._mask_picks is None else self._mask_picks(logits)
 
     def _event(self) -> torch.cuda.Event | None:
         """An event recorded after the work queued so far on the device (None on the CPU)."""
@@ -287,6 +353,13 @@ class ModelRunner(RunnerPicks):
             targets = torch.tensor(o[1:], device=logp.device)
             scores[i] += logp[r, torch.arange(len(o) - 1, device=logp.device), targets].tolist()
         return scores
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows], without a copy where `rows` is every row in order."""
+    if rows == list(range(len(logits))):
+        return logits
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 PAD_WASTE = 0.3  # a prefill forward may compute at most this share of padding on top of the real tokens

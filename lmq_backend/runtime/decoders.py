@@ -2,54 +2,23 @@
 
 `argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
 per-result generator (one uniform a pick: `engine.picks.Draw`), so a seeded run repeats whatever else shares
-its batch. The beam decoders `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best
+its batch (the samplers themselves are the engine's: `engine.picks`). The beam decoders `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best
 tokens by the sum of their log-probabilities over the whole query, and return the n best results;
 `best_k(k=4, budget=30, ...)` is LMQL's best-first search (runtime/beam.py says exactly how).
 """
 from __future__ import annotations
 
 import ast as pyast
-import random
 from dataclasses import dataclass
 
-import torch
-
-from ..engine.picks import Draw, masked_argmax, sample
+from ..backend.protocol import DEFAULT_MAX_LEN
+from ..engine.picks import Greedy, Sampler, Sampling
 from ..errors import LMQCompileError, LMQNotSupportedError
 from ..language.checks import DECODER_ARGS
 
-DEFAULT_MAX_LEN = 2048
+__all__ = ["DEFAULT_MAX_LEN", "Sampler", "Greedy", "Sampling", "BestK", "DecoderSpec"]
+
 BEAM_DECODERS = ("beam", "beam_var", "var", "best_k")
-
-
-class Sampler:
-    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        """Pick a token id. logits: [V] float; allowed: bool [V] or None for every token."""
-        raise NotImplementedError
-
-
-class Greedy(Sampler):
-    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        return int(masked_argmax(logits, allowed))
-
-
-class Sampling(Sampler):
-    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None):
-        self.temperature, self.top_p = temperature, top_p
-        # Python's Mersenne Twister (seeded from the OS without a seed): a uniform in ~0.05 us, where
-        # torch.rand on a torch.Generator took ~8 us, a pick, at 1,000 concurrent queries ~a sixth of the host
-        self.generator = random.Random(seed)
-        self._next = self.generator.random()
-
-    def draw(self, allowed: torch.Tensor | None) -> Draw:
-        """The next pick's draw (one uniform from the generator), before its logits exist: a decode step
-        samples the rows of all its queries' draws at once (`engine.picks.sample`). It tells the uniform
-        of the draw after it too (a GPU step run ahead samples with that)."""
-        u, self._next = self._next, self.generator.random()
-        return Draw(self.temperature, self.top_p, u, allowed, self._next)
-
-    def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        return int(sample(logits[None], [self.draw(allowed)])[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ def sample_calls(monkeypatch) -> list[int]:
 async def test_a_step_samples_all_its_sampling_rows_at_once(make_backend, monkeypatch):
     """Sampling rows are picked by one `ModelRunner.sample` a step (prefills and decode steps alike), never
     one `Sampling.select` a row; each row's values are what it draws alone (seeded, float32)."""
-    from lmq_backend.runtime.decoders import Sampling
+    from lmq_backend.engine.picks import Sampling
 
     backend = make_backend("llama")
     q = lmq.compile('sample(n=3, temperature=0.9, seed=11)\n    "Say something about {x}:[X]" where len(TOKENS(X)) < 5',
@@ -108,7 +108,7 @@ async def test_a_step_picks_its_constrained_greedy_rows_at_once(make_backend, mo
     hole's first pick (checked without its mask, `HoleLoop._checked`: a random model's unconstrained pick
     breaks the REGEX, so that pick is made again from the row's mask, and the hole's next picks compute
     the mask first); each query's values are what it gets alone."""
-    from lmq_backend.runtime.decoders import Greedy
+    from lmq_backend.engine.picks import Greedy
 
     backend = make_backend("llama")
     q = lmq.compile('"Count {x}:[N] then[R] and[C]" where INT(N) and len(TOKENS(N)) < 4 and '
@@ -254,15 +254,15 @@ async def test_rows_in_one_choice_state_pick_under_one_mask_object(make_backend,
     """Concurrent `X in [...]` holes: the rows at one place in the options pick under one mask object (a
     constraint's shared mask, its extendable part memoized by the backend), so a step stacks and moves a mask a
     place, not one a row (1,024 rows: 50 MB a step)."""
-    from lmq_backend.engine import picks
+    from lmq_backend.engine import picks_cpu
 
     backend = make_backend("llama")
-    seen, greedy = [], picks.greedy
+    seen, greedy = [], picks_cpu.greedy
 
     def spy(logits, masks):
         seen.append((len(masks), len({id(m) for m in masks})))
         return greedy(logits, masks)
-    monkeypatch.setattr(picks, "greedy", spy)
+    monkeypatch.setattr(picks_cpu, "greedy", spy)
     q = lmq.Query('"Item {i}:[A]" where A in [" alpha beta gamma", " delta epsilon"]', model=backend)
     values = [r.variables["A"] for r in await asyncio.gather(*(q.run({"i": i}) for i in range(16)))]
     assert set(values) <= {" alpha beta gamma", " delta epsilon"}

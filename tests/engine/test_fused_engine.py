@@ -181,7 +181,7 @@ async def test_steps_run_ahead_pick_within_characters_under_the_masks_the_host_m
     def record(self, *args):
         ok = take(self, *args)
         if ok:
-            taken.append(set(self.picks._wait()[-1][:self.picks.rows]))  # the masks it picked under
+            taken.append(set(self.picks.table()[-1][:self.picks.rows]))  # the masks it picked under
         return ok
     monkeypatch.setattr(FusedDecoder, "_take_ahead", record)
     got = [r.variables for r in await asyncio.gather(*(lmq.Query(src, model=ahead).run(x) for x in inputs))]

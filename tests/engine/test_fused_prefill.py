@@ -168,7 +168,7 @@ def test_cuda_fp32_prefill_matches_hf():
 async def test_cuda_long_prompt_greedy_identical_to_generate(tokenizer):
     """A 2,050-token prompt and 32 greedy tokens through the engine (fused prefill after a trie hit, captured
     decode steps) on a Llama-3.2-1B-shaped float32 model: HF `generate`'s tokens."""
-    from lmq_backend.runtime.decoders import Greedy
+    from lmq_backend.engine.picks import Greedy
 
     model = llama_1b_shaped(layers=16, dtype=torch.float32, vocab=49152)
     text = tokenizer.decode(_ids(2100, 31))

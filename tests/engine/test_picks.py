@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmq_backend.engine.picks import Choices, Draw, choose, greedy, masked_argmax, nucleus, sample
-from lmq_backend.runtime.decoders import Greedy, Sampling
+from lmq_backend.engine.picks import Greedy, Sampling
 from lmq_kernels import cpu
 from support.cpu_targets import TARGETS  # noqa: F401 (the variants `kernels` runs)
 from support.cpu_targets import kernels  # noqa: F401 (fixture)
@@ -69,10 +69,10 @@ def test_the_kernels_greedy_pick_is_torchs(kernels, v):
 
 def in_groups(monkeypatch, rows: int | None, v: int) -> None:
     """A CPU's sampling and choices take `rows` rows of `v` logits at a time (None: as they come)."""
-    from lmq_backend.engine import picks
+    from lmq_backend.engine import picks_cpu
 
     if rows:
-        monkeypatch.setattr(picks, "CPU_CHUNK_BYTES", rows * 4 * v)
+        monkeypatch.setattr(picks_cpu, "CPU_CHUNK_BYTES", rows * 4 * v)
 
 
 @pytest.mark.parametrize("group", [None, 5], ids=["one group", "groups of 5 rows"])
@@ -180,21 +180,21 @@ def test_the_nucleus_among_the_most_probable_tokens_is_the_whole_sorts():
 def test_a_mask_marked_as_every_token_is_no_mask():
     """`allows_every_token`: a mask object of its own (a greedy mask of the device's) that host picks treat as
     None: no mask table, no pass over it."""
-    from lmq_backend.engine import picks
+    from lmq_backend.engine import picks, picks_cpu
 
     z = torch.randn(3, 50)
     every = picks.allows_every_token(torch.ones(50, dtype=torch.bool))
-    assert picks._mask_table([every, None, every], 50, z.device)[0] is None
+    assert picks_cpu.mask_table([every, None, every], 50, z.device)[0] is None
     unmarked = torch.ones(50, dtype=torch.bool)
-    assert picks._mask_table([unmarked], 50, z.device)[0] is not None
+    assert picks_cpu.mask_table([unmarked], 50, z.device)[0] is not None
     assert torch.equal(picks.greedy(z, [every] * 3), z.argmax(-1))
 
 
 def test_the_runners_picks_under_every_greedy_mask_at_once():
-    """A GPU prefill's greedy picks under the runner's masks (`runner_picks._masked_picks`: `MaskedPicks`, masks
+    """A GPU prefill's greedy picks under the runner's masks (`picks_gpu.masked_picks`: `MaskedPicks`, masks
     of few tokens gathered; None is every token) are `masked_argmax` under each (here through the kernel's
     torch form), ties to the first index."""
-    from lmq_backend.engine.runner_picks import _masked_picks
+    from lmq_backend.engine.picks_gpu import masked_picks
 
     gen = torch.Generator().manual_seed(3)
     z = torch.randint(-3, 4, (6, 5000), generator=gen).float()
@@ -202,5 +202,5 @@ def test_the_runners_picks_under_every_greedy_mask_at_once():
     few[[7, 90, 4001]] = True
     masks = [None, torch.rand(5000, generator=gen) < 0.5, few, few.clone()]
     out = torch.empty(4, 6, dtype=torch.long)
-    _masked_picks(masks, z)(z, out)
+    masked_picks(masks, z)(z, out)
     assert torch.equal(out, torch.stack([masked_argmax(z, m) for m in masks]))

@@ -9,7 +9,7 @@
     cpu_step.py  a CPU step's layers in one C call (lmq_kernels.triton/step.c) where measured faster
 """
 from .decoder import FusedDecoder
-from .graphs import DevicePicks, bucket_for
+from .graphs import bucket_for
 from .weights import decoder_weights, supports
 
-__all__ = ["supports", "FusedDecoder", "DevicePicks", "bucket_for", "decoder_weights"]
+__all__ = ["supports", "FusedDecoder", "bucket_for", "decoder_weights"]

@@ -53,7 +53,8 @@ from lmq_kernels.triton.masked_argmax import MaskedPicks
 
 from ..attention import grouped_attention
 from .cpu_step import head_panels, layer_panels, run_layers
-from .graphs import DevicePicks, GraphSteps, bucket_for, write_picks
+from ..picks_gpu import DevicePicks, write_picks
+from .graphs import GraphSteps, bucket_for
 from .prefill import Prefill
 
 __all__ = ["FusedDecoder"]

@@ -9,12 +9,9 @@ real step, so they are harmless.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from lmq_kernels.triton.sample_rows import sample_rows
-
-from ..picks import inverse_cdf, masked_argmax
+from ..picks_gpu import DevicePicks, pick_in_step, write_picks
 
 
 def bucket_for(n: int, max_batch: int) -> int:
@@ -31,36 +28,20 @@ class GraphSteps:
     state."""
 
     def _pick_and_advance(self, bp: int) -> None:
-        """Greedy picks under each mask (`MaskedPicks`: the picks of `masked_argmax`, as `Greedy.select`
-        picks, in one pass over the logits), where a row's pick is sampled (a `sampling` step) its sample
-        under its `ahead` mask at its `u` (`sample_rows`, as `picks.sample` samples), the masks it picked under
-        (row K + 1 of `guess`), and, in a captured step, the inputs of the step after it: each row's pick, one
-        position and one column further, and the mask its next pick will likely use (`_mask_after`; a
-        run-ahead replays the same graph on them)."""
-        k = len(self.masks)
-        logits, picks = self.logits[:bp], self.guess[:k, :bp]
-        if self.triton:  # one pass over the logits for every mask (few-token masks: a gather)
-            self._masked_picks(logits, picks)
-        else:
-            picks.copy_(masked_argmax(logits[None], self.masks[:, None]))  # [K, bp]
-        mask = self.ahead[:bp].long()
-        chosen = picks.gather(0, mask[None])[0]
-        if self.sampling:
-            t = self.temperature[:bp]
-            if self.triton:  # two passes over the logits (as `picks.sample` samples on a GPU)
-                sample_rows(logits, self.masks, self.ahead[:bp], t, self.u[:bp], out=self.guess[k, :bp])
-            else:
-                z = torch.where(self.masks[mask], logits.float(), float("-inf"))
-                self.guess[k, :bp].copy_(inverse_cdf(z, torch.where(t > 0, t, 1.0)[:, None], self.u[:bp, None]))
-            chosen = torch.where(t > 0, self.guess[k, :bp], chosen)
-        self.guess[k + 1, :bp].copy_(mask)
+        """The step's picks on the device (`picks_gpu.pick_in_step`: each row's greedy pick under each mask,
+        its sample where the step samples, the mask it picked under, into `guess`) and, in a captured step,
+        the inputs of the step after it: each row's pick, one position and one column further, and the mask
+        its next pick will likely use (`_mask_after`; a run-ahead replays the same graph on them)."""
+        mask = self.ahead[:bp]
+        chosen = pick_in_step(self.logits[:bp], self.masks, self._masked_picks if self.triton else None, mask,
+                              self.temperature[:bp] if self.sampling else None, self.u[:bp], self.guess)
         if self.use_graphs:
             self.tokens[:bp].copy_(chosen)
             self.positions[:bp].add_(1)
             self.end.add_(1)
             self.end1.add_(1)
             if self._mask_after is not None:
-                self.ahead[:bp].copy_(self._mask_after[mask * self.vocab + chosen])
+                self.ahead[:bp].copy_(self._mask_after[mask.long() * self.vocab + chosen])
 
     def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
         inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
@@ -143,53 +124,3 @@ class GraphSteps:
         self._inputs[at:6 * w].copy_(self._run_host[at - 3 * w:], non_blocking=True)
         self._run_free.record()
         self._ahead_draws = draws
-
-
-class DevicePicks:
-    """One step's picks on their way to the host: the greedy pick per mask and row (rows 0..K-1), the sampled
-    pick of the rows `draws` says were sampled ({row: (temperature, u)}) (row K), and the mask each row
-    picked under (row K + 1) (read them before the next step: they share one pinned buffer). Reading waits
-    for this step only, not for a run-ahead step queued after it."""
-
-    def __init__(self, host: torch.Tensor, rows: int, draws: dict):
-        self._host, self.rows, self.draws = host, rows, draws
-        self._event = torch.cuda.Event()
-        self._event.record()
-        self._picks: list[list[int]] | None = None
-
-    def _wait(self) -> list[list[int]]:
-        if self._picks is None:  # once a step: a list of lists, not a tensor index a row
-            self._event.synchronize()
-            self._picks = self._host.tolist()
-        return self._picks
-
-    def __call__(self, mask: int, row: int) -> int:
-        """The greedy pick of `row` under mask number `mask` (K: its sampled pick)."""
-        return self._wait()[mask][row]
-
-    def sampled(self, row: int, mask: int, temperature: float, u: float) -> int | None:
-        """The row's sampled pick if the device sampled it under that mask, temperature and u, else None."""
-        if row >= self.rows or self.draws.get(row) != (temperature, u):
-            return None
-        picks = self._wait()
-        return picks[-2][row] if picks[-1][row] == mask else None
-
-    def tokens(self) -> list[int]:
-        """Each row's pick (the tokens a run-ahead step ran on)."""
-        picks = self._wait()
-        tokens = [picks[m][b] for b, m in enumerate(picks[-1][:self.rows])]
-        for b in self.draws:
-            tokens[b] = picks[-2][b]
-        return tokens
-
-
-def write_picks(h, masks, draws: dict) -> None:
-    """A step's picks (per row its mask, {row: (temperature, u)}) into the host mirror of the inputs `ahead`,
-    `temperature`, `u` (three parts of w int32 each; the floats as their bits), zeros past the rows."""
-    n = len(h) // 3
-    h[:len(masks)] = masks
-    h[len(masks):] = 0
-    if draws:
-        f, rows = h.view(np.float32), np.fromiter(draws, dtype=np.int64, count=len(draws))
-        t, u = zip(*draws.values())
-        f[n + rows], f[2 * n + rows] = t, u
