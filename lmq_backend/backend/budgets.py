@@ -1,11 +1,8 @@
-"""The backend's memory settings: byte counts as users write them (`cache_budget=`, `kv_budget=`), and the K/V
-store's size when the user names none."""
+"""The backend's memory settings: byte counts as users write them (`cache_budget=`, `kv_budget=`; the K/V
+store's size where the user names none is the engine's: `engine.default_kv_budget`)."""
 from __future__ import annotations
 
-import os
 import re
-
-import torch
 
 from ..errors import LMQBackendError
 
@@ -23,16 +20,3 @@ def parse_bytes(budget: int | float | str, name: str = "cache_budget") -> int:
     if not m or m.group(2) not in _UNITS:
         raise LMQBackendError(f"cannot read {name} {budget!r}: use bytes or a string like '2GB'")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def default_kv_budget(device: torch.device) -> int:
-    """Bytes for the K/V store when the user names none: half the GPU's free memory (with what torch's
-    allocator holds unused: a dropped backend's store, for one); on a CPU a third of the machine's memory
-    (untouched pages of the store cost nothing there)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) // 2
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system
-        return 4 * 2**30

@@ -1,37 +1,36 @@
-"""`HFBackend`: any Hugging Face causal LM behind the backend protocol, with a prefix trie of KV caches.
+"""`HFBackend`: any Hugging Face causal LM behind the backend protocol, on lmq's engine.
 
-Every prefill looks up the longest cached prefix of the sequence's token ids in the trie, computes only
-the rest and inserts what it computed; a sequence pins the trie node that covers its prefix until it
-is released. K/V live in one paged store (`cache/kv_store.py`): the trie's nodes and the running rows hold
-slots of it, and a hit or an insert moves slot numbers, never K/V. `cache_budget` bounds what the trie
-keeps (0 turns it off: every prefill computes the whole prompt, the exact reference behaviour);
-`kv_budget` bounds the whole store (default: sized from free memory).
+The backend tokenizes (segment by segment: `extend`), runs a hole's token loop (`generate`, `hole_loop.py`),
+scores and lists a beam's choices, and keeps the statistics; the engine (`engine/engine.py`) does the model's
+work: every prefill looks up the longest cached prefix of the sequence's token ids in the prefix cache, computes
+only the rest and stores what it computed. A sequence's `handle` is its `Pin` on the cached prefix it holds
+until it is released. `cache_budget` bounds what the cache keeps (0 turns it off: every prefill computes the
+whole prompt, the exact reference behaviour); `kv_budget` bounds the whole K/V store (default: sized from free
+memory).
 """
 from __future__ import annotations
 
 import atexit
 import gc
-import weakref
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ..cache.prefix_cache import Pin
 from ..cache.stats import CacheStats, TemplateStats
-from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.compat import PRETRAINED
+from ..engine.engine import Engine
+from ..engine.picks import Choices, Sampler
 from ..engine.quantize import QUANTIZED_DTYPES
-from ..engine.picks import Choices, Draw, Sampler, numbering
-from ..engine.runner import ModelRunner, PrefillRow
-from ..engine.rows import Preempted, Row
-from ..engine.scheduler import Scheduler
+from ..engine.rows import Preempted, PrefillRequest, Row
 from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..text.vocab import VocabIndex
-from .budgets import default_kv_budget, parse_bytes
-from .hole_loop import HoleLoop
-from .proposals import Proposals
-from .protocol import DEFAULT_MAX_LEN, Backend, NextTokens, Sequence
 from ..text.vocab_cache import vocab_index
+from .budgets import parse_bytes
+from .hole_loop import HoleLoop
+from .masks import PickMasks
+from .protocol import DEFAULT_MAX_LEN, Backend, HoleState, NextTokens, Sequence
+
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if str(dtype) in QUANTIZED_DTYPES:  # weight-only quantized: loaded in float32, then quantized
@@ -53,13 +52,12 @@ _frozen = False
 
 def _freeze_once() -> None:
     """After the process's first backend is set up, what is alive (the model, tokenizer and vocabulary
-    index: ~400K objects) goes out of the collector's sight, so a full collection no longer walks it (one
-    took 0.45 s in the middle of 256 concurrent calls on the CPU); vLLM does the same after its start-up.
-    Once a process: a frozen object is never collected, so freezing at every backend would keep each
-    earlier backend that was dropped (a test run grew to 21 GB). No collection first: it would walk the same
-    ~400K objects at start-up (0.29 CPU s for the default backend, which freed nothing); cyclic garbage
-    that exists at this moment stays, once. Unfrozen at exit, so the interpreter's teardown collects it
-    (else nanobind, under triton, reports every binding it lost)."""
+    index: hundreds of thousands of objects) goes out of the collector's sight, so a full collection no longer
+    walks it (one in the middle of 256 concurrent calls stalls them all); vLLM does the same after its
+    start-up. Once a process: a frozen object is never collected, so freezing at every backend would keep each
+    earlier backend that was dropped. No collection first: it would walk the same objects at start-up, and
+    free nothing; cyclic garbage that exists at this moment stays, once. Unfrozen at exit, so the
+    interpreter's teardown collects it (else nanobind, under triton, reports every binding it lost)."""
     global _frozen
     if not _frozen:
         _frozen = True
@@ -110,37 +108,25 @@ class HFBackend(Backend):
                weights_folder: Path | None = None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
-        kv_bytes = default_kv_budget(self.runner.device) if kv_budget is None else parse_bytes(kv_budget, "kv_budget")
-        self.store = self.runner.new_store(kv_bytes)
-        self.trie = PrefixTrie(parse_bytes(cache_budget, "cache_budget"), self.store.bytes_per_token, self.store)
-        # the store asks the trie for slots through a weak reference: no cycle holds the store's memory once
-        # the backend is dropped (the first backend's objects are frozen, never collected: `_freeze_once`)
-        trie, per_token = weakref.proxy(self.trie), self.store.bytes_per_token
-        self.store.reclaim = lambda n: trie.evict(n * per_token)
-        self.store.evictable = lambda: trie.evictable_bytes() // per_token
-        self.scheduler = Scheduler(self.runner, self.store)
-        self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
-        self._extendable = ~self._vocab.special
-        self._extendable_any = bool(self._extendable.any())
-        self._extendable_count = int(self._extendable.sum())
-        self._under: dict[int, tuple] = {}  # id of a constraint's shared mask -> (it, `_extendable_under`'s answer)
-        # Ids the tokenizer has (a model's vocabulary may be padded beyond it): the only ones ever picked.
-        pickable = np.arange(self._vocab.size) < len(tokenizer)
-        self._pick_all = None if pickable.all() else torch.from_numpy(pickable).to(self.runner.device)
-        # the masks of steps without a constraint mask of their own (every token; those a checked pick proposes
-        # from: see proposals.py): fused GPU steps pick under them on the device, and run the next step ahead
-        self._proposals = Proposals(self._vocab, self._extendable, self._pick_all, self.runner.device)
-        self._greedy_masks = tuple(self._proposals.masks)
-        self._mask_number = numbering(self._greedy_masks)
-        self._extendable_on_device = self._proposals.mask(0, False)
-        self.runner.set_greedy_masks(list(self._greedy_masks), after=self._proposals.after)
+        self.engine = Engine(model, max_batch=max_batch,
+                             kv_budget=None if kv_budget is None else parse_bytes(kv_budget, "kv_budget"),
+                             cache_budget=parse_bytes(cache_budget, "cache_budget"), weights_folder=weights_folder)
+        runner = self.engine.runner
+        self._vocab = vocab_index(tokenizer, runner.vocab_size)  # (from disk after the first load)
+        self.masks = PickMasks(self._vocab, len(tokenizer), runner.device)
+        runner.set_greedy_masks(list(self.masks.greedy), after=self.masks.proposals.after)
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
         self._start_ids = list(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else []
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
         self.reset_stats()
         _freeze_once()
+
+    # the engine's parts, for inspection (tests, tools)
+    runner = property(lambda self: self.engine.runner)
+    store = property(lambda self: self.engine.store)
+    trie = property(lambda self: self.engine.cache.trie)
+    scheduler = property(lambda self: self.engine.scheduler)
 
     # ----- protocol --------------------------------------------------------------------------------
 
@@ -156,73 +142,76 @@ class HFBackend(Backend):
         if text:
             seq.ids.extend(self._vocab.encode_continuation(text) if seq.text else self._vocab.encode(text))
             seq.text += text
-            self._check_length(seq, len(seq.ids))
+            self.check_length(seq, len(seq.ids))
 
-    async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
+    async def generate(self, seq: Sequence, state: HoleState, sampler: Sampler) -> str:
         hole = HoleLoop(self, seq, state, sampler)
-        logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, draw=hole.draw))
+        engine, pin = self.engine, self._pin(seq)
+        logits, hole.row = await self._prefill(seq, seq.ids, len(seq.ids), draw=hole.draw)
         try:
             step = hole.start(logits)
             while step is not None:  # the scheduler runs the hole's steps (`HoleLoop.feed`) until it is done
                 try:
-                    await self.scheduler.decode(hole.row, *step, then=hole.feed)
+                    await engine.decode(hole.row, *step, then=hole.feed)
                     step = None
                 except Preempted:  # out of the batch to free slots: prefill the tokens so far again
-                    logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, hole.generated, draw=hole.draw),
-                                                                    first=True)
+                    logits, hole.row = await self._prefill(seq, seq.ids + hole.generated, len(seq.ids),
+                                                           draw=hole.draw, first=True)
                     step = hole.resume(logits)
             prompt_len = hole.prompt_len
-            value, value_ids, computed = hole.value(self.scheduler.pool.length(hole.row.slot) - prompt_len)
-            if computed and seq.handle is not None and seq.handle.depth == prompt_len:
-                self._insert(seq, seq.handle, hole.generated[:computed], hole.row, prompt_len)
+            value, value_ids, computed = hole.value(engine.length(hole.row) - prompt_len)
+            if computed and pin.node is not None and pin.depth == prompt_len:
+                engine.extend(pin, hole.generated[:computed], hole.row, prompt_len)
         finally:
-            self.scheduler.release(hole.row)
+            engine.release(hole.row)
             self._count_decoded(seq, hole.decoded)
         seq.ids.extend(value_ids)
         seq.text += value
         return value
 
     async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
-        logits, row = await self.scheduler.prefill(_Prefill(self, seq))
+        logits, row = await self._prefill(seq, seq.ids, len(seq.ids))
         try:
-            prefix = self.scheduler.pool.segment_kv(row.slot, 0, len(seq.ids))
-            return self.runner.score(prefix, logits, continuations)
+            return self.engine.score(row, len(seq.ids), logits, continuations)
         finally:
-            self.scheduler.release(row)
+            self.engine.release(row)
 
     async def score(self, seq: Sequence, options: list[str]) -> list[float]:
         per_token = await self.score_tokens(seq, [self._vocab.encode_continuation(o) for o in options])
         return [sum(lps) for lps in per_token]
 
     async def next_tokens(self, seq: Sequence, tokens: list[int], k: int, allowed, can_end: bool) -> NextTokens:
-        extendable, extends, extend = self._extendable_under(allowed)
+        masks = self.masks
+        extendable, extends, extend = masks.under(allowed)
         if not extends:
             return NextTokens([], [], 0.0 if can_end else None)
-        if self._ends_at_max_len(seq, len(seq.ids) + len(tokens), can_end):
+        if self.at_max_len(seq, len(seq.ids) + len(tokens), can_end):
             return NextTokens([], [], 0.0)
         if allowed is None:  # an unconstrained step: the mask is on the device already
-            extend, count = self._extendable_on_device, self._extendable_count
+            extend, count = masks.extendable_on_device, masks.extendable_count
         else:
             count = int(extendable.sum())
-        ask = Choices(k, extend, count, can_end, self._pick_all)
-        # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
+        ask = Choices(k, extend, count, can_end, masks.pickable)
+        # a row only for this prefill (its new tokens go to the cache): a beam never holds a row while it
         # waits for the other beams' choices, so the batch's decode steps never wait for it; the step takes
         # the choices of all the beams it prefills at once
-        _, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True, choices=ask))
-        self.scheduler.release(row)
+        ids = seq.ids + list(tokens)
+        _, row = await self._prefill(seq, ids, len(ids), choices=ask)
+        self.engine.release(row)
         return NextTokens(*row.chosen)
 
     def fork(self, seq: Sequence) -> Sequence:
         copy = Sequence(seq.template, list(seq.ids), seq.text, seq.max_len)
-        if seq.handle is not None:
-            self._pin(copy, seq.handle)
+        if isinstance(seq.handle, Pin):
+            copy.handle = self.engine.cache.fork(seq.handle)
         return copy
 
     def release(self, seq: Sequence) -> None:
-        self._pin(seq, None)
+        if isinstance(seq.handle, Pin):
+            self.engine.cache.release(seq.handle)
 
     def on_step(self, callback) -> None:
-        self.scheduler.on_step = callback
+        self.engine.scheduler.on_step = callback
 
     def close(self) -> None:
         """Give the backend's memory back now: its K/V store (on a GPU, half the free memory by default), the
@@ -230,12 +219,9 @@ class HFBackend(Backend):
         when the backend is dropped, too: the scheduler's step task, cancelled with its event loop, leaves a
         cycle of frames through the scheduler that only a collection frees (never, for the process's first
         backend, whose objects `_freeze_once` froze)."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is None or scheduler.closed:  # (`_setup` failed part way, or closed already)
-            return
-        scheduler.close()
-        self.runner.close()
-        self.store.close()
+        engine = self.__dict__.get("engine")
+        if engine is not None:  # (None: `_setup` failed part way)
+            engine.close()
 
     def __del__(self):
         try:
@@ -248,7 +234,7 @@ class HFBackend(Backend):
     def reset_stats(self) -> None:
         self._totals = TemplateStats()
         self._templates: dict[str, TemplateStats] = {}
-        self._evictions_at_reset = self.trie.evictions
+        self._evictions_at_reset = self.engine.cache.evictions
 
     def record_call(self, template: str, seconds: float) -> None:
         t = self._template(template)
@@ -257,12 +243,12 @@ class HFBackend(Backend):
         self._totals.calls += 1
 
     def stats(self) -> CacheStats:
-        t = self._totals
+        t, cache = self._totals, self.engine.cache
         return CacheStats(
             lookups=t.lookups, hits=t.hits, tokens_requested=t.tokens_requested,
             tokens_reused=t.tokens_reused, tokens_prefilled=t.tokens_prefilled,
-            tokens_decoded=t.tokens_decoded, evictions=self.trie.evictions - self._evictions_at_reset,
-            bytes_in_use=self.trie.bytes_in_use, nodes=len(self.trie), pinned_nodes=self.trie.pinned_nodes(),
+            tokens_decoded=t.tokens_decoded, evictions=cache.evictions - self._evictions_at_reset,
+            bytes_in_use=cache.bytes_in_use, nodes=len(cache), pinned_nodes=cache.pinned_nodes(),
             per_template={k: TemplateStats(**{f: getattr(v, f) for f in TemplateStats.__slots__})
                           for k, v in self._templates.items()},
         )
@@ -273,102 +259,45 @@ class HFBackend(Backend):
             t = self._templates[template] = TemplateStats()
         return t
 
-    # ----- the prefix trie ------------------------------------------------------------------------
+    # ----- the engine's requests ---------------------------------------------------------------------
 
-    def _check_length(self, seq: Sequence, n: int) -> None:
+    async def _prefill(self, seq: Sequence, ids: list[int], stored: int, draw=None, choices: Choices | None = None,
+                       first: bool = False) -> tuple[torch.Tensor, Row]:
+        """The engine's prefill of `ids` (the sequence's, then tokens of its hole or beam), of which the first
+        `stored` go to the prefix cache, under the sequence's pin; counted in the statistics."""
+        if not ids:
+            raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
+        self.check_length(seq, len(ids))
+        request = PrefillRequest(self._pin(seq), ids, stored, draw, choices)
+        logits, row = await self.engine.prefill(request, first)
+        for t in (self._totals, self._template(seq.template)):
+            t.record_prefill(len(ids), request.cached)
+        return logits, row
+
+    def _pin(self, seq: Sequence) -> Pin:
+        """The sequence's pin on the cached prefix (a new one, holding none, at first)."""
+        if seq.handle is None:
+            seq.handle = Pin()
+        return seq.handle
+
+    # ----- lengths ----------------------------------------------------------------------------------
+
+    def check_length(self, seq: Sequence, n: int) -> None:
+        """Raises the length error where a prompt of `n` tokens passes the sequence's max_len."""
         if n > seq.max_len:
             raise LMQLengthError(
                 f"the prompt needs {n} tokens, more than max_len={seq.max_len}; raise it with "
                 f"`argmax(max_len=...)` (the model allows {self.max_positions})")
 
-    def _pin(self, seq: Sequence, node: TrieNode | None) -> None:
-        """Move the sequence's pin to `node` (None: drop it)."""
-        if node is not None:
-            self.trie.pin(node)
-        if seq.handle is not None:
-            self.trie.unpin(seq.handle)
-        seq.handle = node
-
-    def _extendable_under(self, allowed: np.ndarray | None) -> tuple[np.ndarray, bool, torch.Tensor | None]:
-        """The tokens that may extend a value where `allowed` (None: every token) are, whether one may, and
-        they as a tensor (None where `allowed` is). A read-only `allowed` is a constraint's shared mask
-        (`HoleState.allowed`): its answer is memoized by identity, so that the rows in one state pick under one
-        mask object (a step stacks and moves it once, not once a row)."""
-        if allowed is None:
-            return self._extendable, self._extendable_any, None
-        shared = not allowed.flags.writeable
-        hit = self._under.get(id(allowed)) if shared else None
-        if hit is not None and hit[0] is allowed:
-            return hit[1:]
-        extendable = allowed & self._extendable
-        answer = (extendable, bool(extendable.any()), torch.from_numpy(extendable))
-        if shared:
-            extendable.flags.writeable = False
-            if len(self._under) >= 256:
-                self._under.clear()
-            self._under[id(allowed)] = (allowed, *answer)
-        return answer
-
-    def _ends_at_max_len(self, seq: Sequence, n: int, can_end: bool) -> bool:
+    def at_max_len(self, seq: Sequence, n: int, can_end: bool) -> bool:
         """Must a value with the prompt at `n` tokens end here (max_len)? Raises the length error where the
         value cannot end."""
         if n < seq.max_len:
             return False
         if not can_end:
-            self._check_length(seq, n + 1)
+            self.check_length(seq, n + 1)
         return True
-
-    def _greedy_mask(self, pick) -> int | None:
-        """Which of the runner's greedy masks `pick` is (a greedy pick under it may come from the device)."""
-        return self._mask_number.get(id(pick))
 
     def _count_decoded(self, seq: Sequence, n: int) -> None:
         self._totals.tokens_decoded += n
         self._template(seq.template).tokens_decoded += n
-
-    def _insert(self, seq: Sequence, parent: TrieNode, ids: list[int], row: Row, start: int) -> None:
-        """Store the row's K/V of positions [start, start + len(ids)) under `parent`; pin what was stored."""
-        if self.trie.budget_bytes == 0:
-            return
-        child = self.trie.insert(parent, ids, self.scheduler.pool.segment(row.slot, start, start + len(ids)))
-        if child is not None:
-            self._pin(seq, child)
-
-
-class _Prefill:
-    """A sequence's prefill as the scheduler runs it: look up the trie, then store what was computed."""
-
-    def __init__(self, backend: HFBackend, seq: Sequence, resume: list[int] = (), store_all: bool = False,
-                 draw: Draw | None = None, choices: Choices | None = None):
-        """`resume`: tokens generated after `seq.ids` by a row that was preempted; they are prefilled too,
-        but only the prompt's new part is stored in the trie (as when the row first ran), unless `store_all`
-        (a beam's tokens: the next step and the beam's forks read them from the trie). `draw`: the sampled
-        pick to make from the logits (the step samples its rows' draws at once); `choices`: a beam's choices
-        to take from them (the same)."""
-        ids = seq.ids + list(resume) if resume else seq.ids
-        self.prompt_len = len(ids) if store_all else len(seq.ids)
-        if not ids:
-            raise LMQRuntimeError("a hole cannot come first: the prompt needs some text before the first hole")
-        backend._check_length(seq, len(ids))
-        self.backend, self.seq, self.ids, self.draw, self.choices = backend, seq, ids, draw, choices
-        self.node: TrieNode | None = None
-        self.cached = 0
-
-    def prepare(self) -> PrefillRow:
-        trie = self.backend.trie
-        self.node, self.cached = trie.match(self.ids, limit=len(self.ids) - 1)
-        self.backend._pin(self.seq, self.node)
-        return PrefillRow(trie.path_slots(self.node), self.cached, self.ids[self.cached:])
-
-    def release(self) -> bool:
-        held = self.seq.handle is not None
-        self.backend._pin(self.seq, None)
-        self.node = None
-        return held
-
-    def complete(self, logits: torch.Tensor, row: Row) -> None:
-        b = self.backend
-        for t in (b._totals, b._template(self.seq.template)):
-            t.record_prefill(len(self.ids), self.cached)
-        if self.cached < self.prompt_len:
-            b._insert(self.seq, self.node, self.ids[self.cached:self.prompt_len], row, self.cached)

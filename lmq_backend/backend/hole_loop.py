@@ -5,13 +5,13 @@ the sampler's); the constraint's advance.
 
 `feed` is the continuation of the row's decode steps: the scheduler calls it inside each step with the
 row's new logits and feeds the token it returns in the next step, so a token costs no wake-up of the
-query's task (~half the host time of a token at 1,000 concurrent queries); the task wakes once, when the
+query's task (at 1,000s of concurrent queries, much of a token's host time); the task wakes once, when the
 hole is done (or a check fails, or the row is preempted).
 
-A hole under a constraint whose mask is dear (llguidance's REGEX / JSON / GRAMMAR: 0.01-0.44 ms a mask) does
-not compute it before each pick: the step picks as for an unconstrained token, and the hole checks that one
-token against the constraint (~0.6 us); only where the constraint forbids it, the mask and the pick again,
-from the logits (`_checked`). Greedy, the token is the same either way (the first maximal logit of a larger
+A hole under a constraint whose mask is dear (llguidance's REGEX / JSON / GRAMMAR: a mask costs far more than
+checking a token) does not compute it before each pick: the step picks as for an unconstrained token, and the
+hole checks that one token against the constraint; only where the constraint forbids it, the mask and the pick
+again, from the logits (`_checked`). Greedy, the token is the same either way (the first maximal logit of a larger
 set, if allowed, is the first of the smaller). Sampled (without a nucleus), a token drawn from the larger set
 and kept because it is allowed is a draw from the constrained distribution, and so is the new draw under the
 mask after one that was not (rejection sampling): the values' distribution is the same, the draws not (a
@@ -20,26 +20,33 @@ a token outside it ends the hole, allowed or not.
 
 The unconstrained pick is one among the tokens that may extend a value, or, inside a UTF-8 character that
 expects k more bytes, among those that keep the text well-formed (`VocabIndex.utf8_continuing(k)`): there a
-pick among all tokens is refused almost always (a random model sampled at N = 1,024: 95 of its 101 refused
-draws came there), and a refused pick draws again on the host, which discards a step the device ran
-ahead. Either set holds every token the constraint allows (llguidance's expressions are over text:
-`test_proposal.py` checks it), which is what makes the checked pick the constrained one. These sets are
-device masks (`proposals.py`), one family for values that could end where the character began and one for
-those that could not, so that a GPU step run ahead moves each row to its next mask as this loop will.
+pick among all tokens is refused almost always (most of a random model's refused draws came there), and a
+refused pick draws again on the host, which discards a step the device ran ahead. Either set holds every
+token the constraint allows (llguidance's expressions are over text: `test_proposal.py` checks it), which is
+what makes the checked pick the constrained one. These sets are device masks (`masks.py`), one family for
+values that could end where the character began and one for those that could not, so that a GPU step run
+ahead moves each row to its next mask as this loop will.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..errors import LMQRuntimeError
 from ..engine.picks import Checked, Draw, Greedy, Sampler, Sampling, sample
+from ..errors import LMQRuntimeError
+from .protocol import HoleState, Sequence
+
+if TYPE_CHECKING:
+    from .hf import HFBackend
 
 
 class HoleLoop:
-    def __init__(self, backend, seq, state, sampler: Sampler):
+    def __init__(self, backend: HFBackend, seq: Sequence, state: HoleState, sampler: Sampler):
         """Plans the first pick at once (its checks need no logits), so that the prefill giving its logits
         can sample it with the prefill's other rows (`draw`); `row` is the prefill's."""
         self.backend, self.seq, self.state, self.sampler, self.row = backend, seq, state, sampler, None
+        self.masks = backend.masks
         self.prompt_len = len(seq.ids)
         self.generated: list[int] = []
         self.stop = None
@@ -48,7 +55,7 @@ class HoleLoop:
         self._sampling = type(sampler) is Sampling
         # a constraint whose mask costs far more than checking a token, greedy or sampled without a nucleus
         # (a nucleus of the larger set is not one of the smaller): see `_checked`. (Optional in a state: one
-        # without it, e.g. written to the older contract, gives its masks.)
+        # without it gives its masks.)
         self._checks = getattr(state, "checks_tokens", False) and (
             self._greedy or (self._sampling and sampler.top_p >= 1.0))
         self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
@@ -82,31 +89,31 @@ class HoleLoop:
 
     def _plan(self) -> bool:
         """The checks before the next pick: False if the hole ends without one; raises if it cannot end."""
-        b, state = self.backend, self.state
+        masks, state = self.masks, self.state
         can_end = state.can_end()
         self._unchecked = self._checks and (can_end or self._unchecked_held)
         if self._unchecked:  # the mask only where the unconstrained pick breaks the constraint (`_checked`)
             allowed, extendable, extends, under = None, None, True, None
         else:
             allowed = state.allowed()
-            extendable, extends, under = b._extendable_under(allowed)
+            extendable, extends, under = masks.under(allowed)
         if not extends:
             if can_end:
                 return False  # closed: no token can extend the value, so no forward is needed
             raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
-        if b._ends_at_max_len(self.seq, self.prompt_len + len(self.generated), can_end):
+        if self.backend.at_max_len(self.seq, self.prompt_len + len(self.generated), can_end):
             return False
         if not self._pending:
             self._could_end = can_end
         if can_end:  # (a checked row's "every token" is a mask of its own: `Proposals`)
-            pick = b._proposals.mask(0, True) if self._checks and not self._pending else b._pick_all
+            pick = masks.proposal(0, True) if self._checks and not self._pending else masks.pickable
         else:  # the proposal's mask is on the device already
             pick = self._proposal() if allowed is None else under
         self.pick, self.can_end, self.extendable = pick, can_end, extendable
         # how the step may pick for the row: under a greedy mask of the device's, or by this draw
         if self._greedy:  # under a mask of the device's, or the row's own: then a draw at temperature 0, which
             # the step picks with its other rows' at once (`engine.picks.sample`), not a masked argmax a row
-            k = b._greedy_mask(pick)
+            k = masks.greedy_mask(pick)
             self.ahead = Checked(k) if self._unchecked else k if k is not None else Draw(0.0, 1.0, 0.0, pick)
         else:
             self.ahead = self.sampler.draw(pick) if self._sampling else None
@@ -125,8 +132,7 @@ class HoleLoop:
         else:
             if self._checks and not self.can_end:  # would the unconstrained pick have held? (then check again;
                 # a sampled row asks the greedy one: a guess for the next pick's mode, never for its token)
-                b = self.backend
-                unconstrained = self.row.device_pick(b._greedy_mask(self._proposal()))
+                unconstrained = self.row.device_pick(self.masks.greedy_mask(self._proposal()))
                 self._unchecked_held = unconstrained is not None and bool(self.extendable[unconstrained])
             if self.can_end and not self.extendable[token]:
                 return None  # a token outside the value (EOS, or one the constraint excludes) ends the hole
@@ -140,22 +146,22 @@ class HoleLoop:
 
     def _proposal(self) -> torch.Tensor:
         """The device's mask a checked pick proposes from where the value may not end (`Proposals.mask`)."""
-        return self.backend._proposals.mask(self._pending, self._could_end)
+        return self.masks.proposal(self._pending, self._could_end)
 
     def _checked(self, token: int, logits: torch.Tensor, i: int) -> int | None:
         """The pick under the row's constraint, from the step's pick without it (None: the hole ends). Where
         the constraint allows that token it is the constrained pick too (greedy: the first maximal logit of a
         larger set of tokens; sampled: a draw kept because it is allowed), and no mask was computed; else the
         mask, and the pick again from the logits (sampled: a new draw, under the mask)."""
-        b, state = self.backend, self.state
+        masks, state = self.masks, self.state
         if self.can_end:  # a token outside the value ends the hole, as in `_pick`
-            return token if b._extendable[token] and state.allows(token) else None
+            return token if masks.extendable[token] and state.allows(token) else None
         self._unchecked_held = state.allows(token)
         if self._unchecked_held:
             return token
         # mostly broken (a random model's picks under a REGEX): the next picks compute the mask first, and
         # are made with the step's other rows' (`_plan`), until an unconstrained pick holds again (`_pick`)
-        extendable, extends, under = b._extendable_under(state.allowed())
+        extendable, extends, under = masks.under(state.allowed())
         if not extends:  # (what `_plan` says where it computes the mask)
             raise LMQRuntimeError(f"the constraint cannot be satisfied after {state.text!r}")
         return self.sampler.select(logits[i], torch.from_numpy(extendable) if under is None else under)

@@ -1,5 +1,9 @@
-"""Which waiting prefills a scheduler step runs (`select`): cache-aware, within the decode batch's seats, the
-K/V store's free slots and the step's token and read limits.
+"""The scheduler's admission policy: which waiting prefills a step runs (`select`), and when waiting requests
+join running rows (`join_delay`); pure choices over the waiting requests (`Waiting`), which the scheduler
+looks up, runs and requeues.
+
+`select` is cache-aware, within the decode batch's seats, the K/V store's free slots and the step's token and
+read limits.
 
 The longest cached prefix goes first (its rows compute least); a request whose new tokens begin with a long
 prefix that a chosen one will compute waits for the trie instead (the shared part is computed once); a request
@@ -8,9 +12,9 @@ is admitted while the store has slots for its new tokens and room for the runnin
 failure then says how much it needs). Only the first arrivals are looked up in the trie (`window`): those not
 chosen are looked up again next round, so a wider window costs more than it finds at 1,000s waiting.
 
-A prefill stalls every running row for its duration, and a small one costs about what a large one does (a 1B
-model on an H100: ~5-8 ms for one row's 30 tokens, as much as 3-4 decode steps of 256 rows). So while rows
-decode, the waiting requests join them only once that is worth a step (`join_delay`): when they bring at
+A prefill stalls every running row for its duration, and a small one costs about what a large one does (one
+row's 30 tokens as much as a few decode steps of 256 rows). So while rows decode, the waiting requests join
+them only once that is worth a step (`join_delay`): when they bring at
 least 1/JOIN_SHARE as many rows as run already, or once PATIENCE times a recent prefill step's duration has
 passed since the last one (so prefills stall the running rows for at most 1 / (1 + PATIENCE) of the time:
 holes that end one or two a step, at 1,000 concurrent queries, would otherwise each cost a prefill step of
@@ -18,25 +22,17 @@ their own). With no rows running, or few, a prefill runs at once.
 
 A prompt with more new tokens than a step takes (`max_tokens`; while rows decode, `max_part`) is prefilled in
 parts, alone, each part's K/V the next part's cached prefix (its slots held by the request between parts:
-`Waiting.advance`); an out-of-memory error halves its parts, down to MIN_PART tokens.
+`Waiting.advance`); an out-of-memory error halves its parts, down to MIN_PART tokens (the scheduler requeues it).
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
-from ..cache.kv_store import OutOfSlots
-from ..errors import LMQBackendError
+from .rows import PrefillRequest
 from .runner import PrefillRow
-
-if TYPE_CHECKING:
-    from ..cache.kv_store import KVStore
-    from .picks import Choices, Draw
-    from .rows import Row
 
 SHARED_PREFIX_MIN = 16  # a new prefix at least this long, shared by waiting requests, is prefilled once
 AHEAD = 2               # columns every running row holds slots for: this step's, and one a GPU step runs ahead
@@ -47,26 +43,10 @@ JOIN_SHARE = 8          # waiting requests join running rows at once when they a
 PATIENCE = 2.0          # ... else this many recent prefill steps' durations after the last one
 
 
-class PrefillRequest(Protocol):
-    """What a backend hands the scheduler for one prefill. Both methods run inside a scheduler step."""
-
-    ids: list[int]
-    draw: Draw | None  # the sampled pick to make from the prefill's logits (a step samples all its rows'), or None
-    choices: Choices | None  # a beam's choices to take from them (a step takes all its rows'), or None
-
-    def prepare(self) -> PrefillRow:
-        """Look up the cached prefix now; returns the row to prefill."""
-
-    def complete(self, logits: torch.Tensor, row: "Row") -> None:
-        """The row's prefill ran: store what it computed (before any later step can move it)."""
-
-    def release(self) -> bool:
-        """Drop the cache pins the request's query holds while it waits (its next `prepare` looks its prefix
-        up again); True if it held any."""
-
-
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Waiting:
+    """A prefill request waiting for a step, and what is left of it."""
+
     request: PrefillRequest
     future: asyncio.Future
     row: PrefillRow | None = None   # what is left to prefill (after the parts done: their K/V as cached slots)
@@ -91,28 +71,15 @@ class Waiting:
         self.part, self.started = None, True
 
 
-def drop(store: KVStore, waiting: list[Waiting]) -> None:
-    """Requests that will not be prefilled: free the slots that the parts done of a long prompt hold."""
-    for w in waiting:
-        if w.started:
-            store.free_rows(w.row.slots)
-            w.started = False
-
-
-def select(waiting: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
+def select(ready: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
            read_limit: int | None, max_part: int | None = None) -> list[Waiting]:
-    """The waiting requests to prefill now: at most `seats`, their new tokens at most `max_tokens` and the
-    columns their attention reads (cached + new) at most `read_limit` (None: no limit) together (a first one
-    alone passes the read limit; a prompt of more new tokens than `max_tokens`, its `most` or, while rows are
-    `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`), each needing its new tokens +
-    AHEAD + DECODE_RESERVE of the `room` free slots unless it is the only one and no rows are `running`."""
-    if seats <= 0:
-        return []
-    ready = window(waiting, seats + SELECT_MARGIN, read_limit)
-    for w in ready:
-        w.part = None
-        if not w.started:  # (a prompt prefilled in parts keeps its row: the parts done are its cached prefix)
-            w.row = w.request.prepare()
+    """Of the `ready` requests (looked up: `row` set), those to prefill now: at most `seats`, their new tokens
+    at most `max_tokens` and the columns their attention reads (cached + new) at most `read_limit` (None: no
+    limit) together (a first one alone passes the read limit; a prompt of more new tokens than `max_tokens`,
+    its `most` or, while rows are `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`),
+    each needing its new tokens + AHEAD + DECODE_RESERVE of the `room` free slots unless it is the only one
+    and no rows are `running`."""
+    ready = list(ready)
     ready.sort(key=lambda w: (not w.started, -w.row.cached))
     chosen: list[Waiting] = []
     tokens = read = 0
@@ -153,46 +120,10 @@ def join_delay(waiting: int, seats: int, running: int, prefill_seconds: float, s
     return max(0.0, PATIENCE * prefill_seconds - since_prefill)
 
 
-def requeue_alone(w: Waiting, e: Exception, waiting: list[Waiting], store: KVStore, running: bool
-                  ) -> Exception | None:
-    """A request whose prefill failed alone with `e`: queued again where waiting may help (None) — out of
-    memory with more than MIN_PART new tokens: first, in parts of half as many; out of memory or K/V slots
-    while rows run (they will leave and free theirs) or pins of waiting requests could go: last — else the
-    error its query gets (what its parts held freed)."""
-    new = len(w.step_row().ids)
-    if isinstance(e, torch.OutOfMemoryError) and new > MIN_PART:
-        w.most = max(MIN_PART, new // 2)
-        waiting.insert(0, w)
-        return None
-    short = isinstance(e, (torch.OutOfMemoryError, OutOfSlots))
-    if short and (running or release_pins(waiting, store, new)):
-        waiting.append(w)
-        return None
-    drop(store, [w])
-    if not short:
-        return e
-    what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
-    return LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
-
-
-def release_pins(waiting: list[Waiting], store: KVStore, evict: int = 0) -> bool:
-    """Drop the cache pins of the requests waiting for a prefill (none of it started): what they kept for
-    their next prefill, which looks its prefix up again. Under memory pressure those pages may go before a
-    running row is preempted or a query fails (a query between holes pins its prompt's path). With `evict`:
-    that many slots are freed at once, before the next look-ups pin the same pages again. True if any pin
-    was dropped."""
-    released = False
-    for w in waiting:
-        if not w.started and w.request.release():
-            released = True
-    if released and evict and store.reclaim is not None:
-        store.reclaim(evict + AHEAD)
-    return released
-
-
 def window(waiting: list[Waiting], most: int, read_limit: int | None) -> list[Waiting]:
-    """The first `most` live waiting requests, fewer where their prompts (cached or not: what a prefill reads)
-    pass `read_limit` by SELECT_MARGIN requests: no more could be chosen this round."""
+    """The requests a step looks up in the cache: the first `most` live waiting requests, fewer where their
+    prompts (cached or not: what a prefill reads) pass `read_limit` by SELECT_MARGIN requests: no more could be
+    chosen this round (those not chosen are looked up again next round)."""
     out: list[Waiting] = []
     read = over = 0
     for w in waiting:

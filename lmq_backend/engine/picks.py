@@ -21,7 +21,10 @@ from typing import Callable
 import torch
 
 from . import picks_cpu
-from .picks_cpu import allows_every_token, inverse_cdf, masked_argmax, nucleus  # noqa: F401 (the interface)
+from .picks_cpu import allows_every_token, inverse_cdf, masked_argmax, nucleus
+
+__all__ = ["Checked", "Draw", "Choices", "Sampler", "Greedy", "Sampling", "masked_argmax", "greedy", "sample",
+           "choose", "mask_picks", "numbering", "per_row", "allows_every_token", "inverse_cdf", "nucleus"]
 
 
 def _on(device: torch.device):
@@ -90,7 +93,7 @@ class Sampling(Sampler):
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None):
         self.temperature, self.top_p = temperature, top_p
         # Python's Mersenne Twister (seeded from the OS without a seed): a uniform costs far less than
-        # torch.rand on a torch.Generator, a pick, at 1,000s of concurrent queries
+        # torch.rand on a torch.Generator, once a pick at 1,000s of concurrent queries
         self.generator = random.Random(seed)
         self._next = self.generator.random()
 

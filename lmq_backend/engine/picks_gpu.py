@@ -15,7 +15,11 @@ import numpy as np
 import torch
 
 from . import picks_cpu
-from .picks_cpu import choose, greedy, inverse_cdf, masked_argmax  # noqa: F401 (this device's picks)
+from .picks_cpu import choose, greedy, inverse_cdf, masked_argmax
+
+# this device's picks (`picks.py` dispatches to them): the torch arithmetic's greedy and choices, the kernels'
+# sampling and picks under masks, and what a captured step picks with
+__all__ = ["greedy", "sample", "choose", "MaskPicks", "masked_picks", "pick_in_step", "DevicePicks", "write_picks"]
 
 
 def sample(logits: torch.Tensor, draws: list) -> torch.Tensor:

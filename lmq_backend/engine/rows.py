@@ -1,11 +1,48 @@
-"""A row of the running batch (`Row`: its slot in the pool, and the picks the last step made for it), the running
-batch (`Batch`: its rows by slot over the pool's rows) and `Preempted`, what a row's query gets when the
-scheduler takes the row out to free K/V slots."""
+"""The scheduler's records: a request for a prefill (`PrefillRequest`), a row of the running batch (`Row`: its
+slot in the pool, the picks the last step made for it, its next decode), the running batch (`Batch`: its rows by
+slot over the pool's rows) and `Preempted`, what a row's query gets when the scheduler takes the row out to
+free K/V slots."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
-from .picks import Draw
+import torch
+
+from ..cache.prefix_cache import Pin
+from .picks import Choices, Draw
+
+# A row's continuation: called inside a decode step with the step's logits [B, V] (None: kept on the device) and
+# the row's index in them; returns the row's next (token, ahead) to feed, or None (the caller wakes)
+Continuation = Callable[[torch.Tensor | None, int], tuple | None]
+
+
+@dataclass(slots=True, eq=False)
+class PrefillRequest:
+    """One prefill: the logits after `ids`, computed from the longest cached prefix on. The request's `pin` holds
+    the cached prefix it reads; once computed, ids[:stored] go to the prefix cache under it (the pin follows).
+    `draw`: the sampled pick to make from the logits; `choices`: a beam's choices to take from them (a step
+    makes its rows' at once). `cached`: the tokens the last lookup found in the cache."""
+
+    pin: Pin
+    ids: list[int]
+    stored: int
+    draw: Draw | None = None
+    choices: Choices | None = None
+    cached: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Decode:
+    """A row's next decode: the `token` to feed, how the step may pick the token after it (`ahead`: a greedy
+    mask of the runner's, a sampling draw, or None), the `future` its caller awaits and its `then`
+    continuation (None: the caller takes the logits)."""
+
+    token: int
+    ahead: int | Draw | None
+    future: asyncio.Future
+    then: Continuation | None = None
 
 
 class Preempted(Exception):
@@ -25,6 +62,7 @@ class Row:
     device_picks: tuple | None = None
     drawn: int | None = None  # after a step: its sample of the row's draw (see `device_pick`)
     chosen: tuple | None = None  # after a prefill: the choices its request asked for (`picks.choose`)
+    pending: Decode | None = None  # the decode its query asked for, until a step runs it
 
     def device_pick(self, ahead: int | Draw) -> int | None:
         """The step's pick for the row's last logits, if it made one: under the runner's greedy mask `ahead`
@@ -49,6 +87,10 @@ class Batch:
     def live(self) -> int:
         """The rows that have not left."""
         return sum(row.live for row in self.rows)
+
+    def pending(self) -> int:
+        """The rows with a decode to run."""
+        return sum(row.pending is not None for row in self.rows)
 
     def join(self, rows: list[Row]) -> None:
         """New rows, at the slots the pool gave them (the runner may give them in another order)."""
@@ -81,6 +123,6 @@ class Batch:
     def clear(self) -> None:
         """Every row leaves; the pool frees every slot."""
         for row in self.rows:
-            row.live = False
+            row.live, row.pending = False, None
         self.rows.clear()
         self.pool.clear()

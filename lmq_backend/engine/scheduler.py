@@ -2,14 +2,17 @@
 
 A query's hole asks for a prefill (`await scheduler.prefill(request)`), then for one decode step per
 token (`await scheduler.decode(row, token)`), then leaves (`scheduler.release(row)`). One background
-task runs the steps:
+task runs the steps (`step`: schedule -> run -> post-process):
 
     loop:
         wait until there is work
-        if prefills wait (and are worth stalling the running rows for):  prepare them (trie lookups),
-                           pick a cache-aware set, one batched forward, the new rows join the running
-                           batch (continuous batching)
-        elif every running row has its next token:  one decode forward for the whole batch
+        schedule: prefills, if they wait and are worth stalling the running rows for (looked up in the
+                  prefix cache, a cache-aware set chosen); else a decode, if every running row has its
+                  next token (room made for the rows' next columns)
+        run:      one batched forward (prefill: rows of different cached and new lengths, left-padded;
+                  decode: one token a row)
+        post-process: the prefilled rows join the running batch (continuous batching) and what they
+                  computed goes to the prefix cache; each row's pick is made, its continuation fed
 
 Rows join and leave between steps. Which waiting prefills a step runs is `admission.py`'s choice: a
 prefill that waits behind another one sharing a long uncached prefix is held back a round, so the shared
@@ -23,7 +26,7 @@ other failure of a prefill splits it too, down to the query whose prefill fails 
 error, the others run. When the running rows' next decode columns need more slots than the store can give,
 the rows that joined last are preempted (vLLM's recompute preemption): they leave the batch, their queries
 get `Preempted` and prefill their tokens again, from the trie where it still holds them, and go on. Before
-either, the trie pins of queries waiting for a prefill go (cache only: their prefill looks it up again).
+either, the cache pins of queries waiting for a prefill go (cache only: their prefill looks it up again).
 """
 from __future__ import annotations
 
@@ -32,26 +35,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
-from ..cache.kv_store import KVStore
+from ..cache.kv_store import KVStore, OutOfSlots
+from ..cache.prefix_cache import PrefixCache
 from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
 from . import admission
-from .admission import AHEAD, DECODE_RESERVE, PrefillRequest, Waiting
+from .admission import AHEAD, DECODE_RESERVE, Waiting
 from .picks import Draw, per_row
-from .rows import Batch, Preempted, Row
-from .runner import ModelRunner
-
-
-LEFT = (-1, 0, None, None)  # the decode of a row that left, still in the batch (see `_run`): any token (-1: the
-# one a step run ahead took), greedy under mask 0 (every token), no future, no continuation
+from .rows import Batch, Continuation, Decode, PrefillRequest, Preempted, Row
+from .runner import ModelRunner, PrefillRow
 
 
 @dataclass
 class Scheduler:
     runner: ModelRunner
     store: KVStore
+    cache: PrefixCache
     max_prefill_tokens: int = 16384
     max_part_tokens: int | None = None  # a longer prompt's new tokens are prefilled in parts; None: the runner's
     # columns a prefill's attention reads (cached + new tokens of every row), where its attention gathers
@@ -59,9 +61,6 @@ class Scheduler:
     max_prefill_read: int | None = None
     on_step: Callable[[StepInfo], None] | None = None
     waiting: list[Waiting] = field(default_factory=list)
-    # id(row) -> (token, how the step may pick the row's next token: a greedy mask (int), a sampling draw or
-    # None, future, continuation or None)
-    decodes: dict[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         self.pool = self.runner.new_pool(self.store)
@@ -90,17 +89,18 @@ class Scheduler:
         try:
             return await future
         except asyncio.CancelledError:
-            admission.drop(self.store, [w for w in self.waiting if w.future is future])
+            self._drop([w for w in self.waiting if w.future is future])
             self.waiting = [w for w in self.waiting if w.future is not future]
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result()[1])
             raise
 
-    async def decode(self, row: Row, token: int, ahead: int | None = None,
-                     then: Callable[[torch.Tensor | None, int], tuple | None] | None = None) -> torch.Tensor | None:
+    async def decode(self, row: Row, token: int, ahead: int | Draw | None = None,
+                     then: Continuation | None = None) -> torch.Tensor | None:
         """The logits after feeding `token` to the row. `ahead`: the greedy mask (see
         `ModelRunner.set_greedy_masks`) the row's next pick will likely use, so that the GPU may run the
-        following step ahead on the device's own picks while the host checks its constraint.
+        following step ahead on the device's own picks while the host checks its constraint; or the draw
+        its next pick is sampled with.
 
         `then(logits, i)`: the row's continuation, called inside the step with the step's logits [B, V] and
         the row's index in them: it returns the next (token, ahead) to feed, and the row takes part in the
@@ -110,7 +110,7 @@ class Scheduler:
         returns None."""
         assert row.live, "decode on a row that left the batch"
         future = self._loop().create_future()
-        self.decodes[id(row)] = (token, ahead, future, then)
+        row.pending = Decode(token, ahead, future, then)
         self._wake.set()
         return await future
 
@@ -118,22 +118,29 @@ class Scheduler:
         """The row leaves the batch (its hole is done, or its query failed or was cancelled). Its slot is
         freed at once if no live row follows it; otherwise before the next step (`Batch.compact`), so that rows
         leaving together (a batch of classifications) free their slots without moving each other's K/V. (In a
-        step its row stays put; while the device runs a step ahead, see `_run`.)"""
+        step its row stays put; while the device runs a step ahead, see `_schedule`.)"""
         if not row.live:
             return
-        row.live = False
-        self.decodes.pop(id(row), None)
+        row.live, row.pending = False, None
         if not self._stepping and not self.runner.ahead_pending:
             self.batch.free_tail()
         if self._wake is not None:
             self._wake.set()
+
+    def segment(self, row: Row, start: int, end: int) -> np.ndarray:
+        """The store slots of the row's tokens [start, end) (a copy)."""
+        return self.pool.segment(row.slot, start, end)
+
+    def length(self, row: Row) -> int:
+        """The tokens the row holds K/V for."""
+        return self.pool.length(row.slot)
 
     @property
     def rows(self) -> list[Row]:
         """The running rows, by slot (`Batch`)."""
         return self.batch.rows
 
-    # ----- the steps ------------------------------------------------------------------------------------
+    # ----- the loop -------------------------------------------------------------------------------------
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The running loop, with the step task running in it (started on demand; it ends when idle)."""
@@ -155,7 +162,7 @@ class Scheduler:
 
     def close(self) -> None:
         """The backend was closed: the queries waiting on the engine fail, the rows leave, the step task stops,
-        and later calls are refused (the runner and the store give their memory back: `HFBackend.close`)."""
+        and later calls are refused (the runner and the store give their memory back: `Engine.close`)."""
         self.closed = True
         self._fail_all(LMQBackendError("the backend was closed"))
         self._reset_rows()
@@ -167,8 +174,7 @@ class Scheduler:
 
     def _reset_rows(self) -> None:
         self.batch.clear()
-        self.decodes.clear()
-        admission.drop(self.store, self.waiting)
+        self._drop(self.waiting)
         self.waiting.clear()
 
     async def _run(self) -> None:
@@ -178,40 +184,53 @@ class Scheduler:
             # let every query that is ready submit, and cancellations land, before the step (rows that go on
             # through their continuations never leave this task: without it, they would starve the loop)
             await asyncio.sleep(0)
-            ran = False
-            self._stepping = True
-            try:  # (a failure anywhere here fails the queries waiting on the engine: none is left hanging)
-                live = self.batch.live()
-                ready = self._ready(live)
-                # prefills first (rows join the batch as early as they can, when worth a step); a prefill
-                # that cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile
-                # (after a part of a long prompt, the running rows take a step before its next part)
-                prefill = not (self._after_part and ready) and bool(self.waiting) and self._joins_now(live)
-                self._after_part = False
-                # Rows that left stay in the batch for decode steps while the device runs one ahead: moving
-                # the rows would discard it (holes that end at random lengths leave every step at 1,000s of
-                # rows), and a step computes its bucket's rows anyway (`ModelRunner.step_rows`). A prefill
-                # (which discards it anyway), or the live rows fitting a smaller step, move them out.
-                if prefill or not ready or not self.runner.ahead_pending or (
-                        self.runner.step_rows(live) < self.runner.step_rows(len(self.rows))):
-                    self.batch.compact()
-                ran = prefill and await self._prefill_step()
-                if not ran and ready:
-                    await self._decode_step()
-                    ran = True
-            except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
-                self._fail_all(e)
-                ran = True
-            finally:
-                self._stepping = False
-            if ran and (self.waiting or self._ready()):
+            if await self.step() and (self.waiting or self._ready()):
                 self._wake.set()
+
+    async def step(self) -> bool:
+        """One step: schedule -> run -> post-process. False if there was nothing to run. A failure anywhere
+        fails the queries waiting on the engine (none is left hanging), not the scheduler."""
+        self._stepping = True
+        try:
+            chosen, decode = self._schedule()
+            if chosen:
+                await self._prefill(chosen)
+            elif decode:
+                await self._decode_step(self._make_room())
+            return bool(chosen) or decode
+        except Exception as e:  # noqa: BLE001 - a failed step fails its queries, not the scheduler
+            self._fail_all(e)
+            return True
+        finally:
+            self._stepping = False
+
+    # ----- schedule -------------------------------------------------------------------------------------
+
+    def _schedule(self) -> tuple[list[Waiting], bool]:
+        """This step's work: the prefills to run (taken off `waiting`), or none and whether the running rows
+        decode (every one has its next token)."""
+        live = self.batch.live()
+        ready = self._ready(live)
+        # prefills first (rows join the batch as early as they can, when worth a step); a prefill that
+        # cannot be admitted now (no seat, no slots) waits, and the running rows decode meanwhile (after a
+        # part of a long prompt, the running rows take a step before its next part)
+        prefill = not (self._after_part and ready) and bool(self.waiting) and self._joins_now(live)
+        self._after_part = False
+        # Rows that left stay in the batch for decode steps while the device runs one ahead: moving the rows
+        # would discard it (holes that end at random lengths leave every step at 1,000s of rows), and a step
+        # computes its bucket's rows anyway (`ModelRunner.step_rows`). A prefill (which discards it anyway),
+        # or the live rows fitting a smaller step, move them out.
+        if prefill or not ready or not self.runner.ahead_pending or (
+                self.runner.step_rows(live) < self.runner.step_rows(len(self.rows))):
+            self.batch.compact()
+        chosen = self._take_prefills() if prefill else []
+        return chosen, not chosen and ready
 
     def _ready(self, live: int | None = None) -> bool:
         """Does every running row (`live` of them, if counted already) have its next token (a decode step can
         run)?"""
         live = self.batch.live() if live is None else live
-        return live > 0 and len(self.decodes) == live
+        return live > 0 and self.batch.pending() == live
 
     def _joins_now(self, live: int) -> bool:
         """Should the waiting requests be prefilled now, stalling the running rows (`admission.join_delay`)? If
@@ -224,36 +243,86 @@ class Scheduler:
             self._join_timer = self._bound.call_later(delay, self._wake.set)
         return False
 
-    def _select(self) -> list[Waiting]:
-        """The prefills to run now (`admission.select`: cache-aware, within the seats, slots and limits)."""
+    def _take_prefills(self) -> list[Waiting]:
+        """The prefills to run now, off `waiting` (the done ones dropped): the first arrivals looked up in the
+        prefix cache, a cache-aware set of them within the seats, slots and limits (`admission.select`)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
-        read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
-        room = self.store.available() - DECODE_RESERVE * len(self.rows)
-        part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
-        return admission.select(self.waiting, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit,
-                                part)
-
-    async def _device_done(self) -> None:
-        """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
-        has done the step just queued (`ModelRunner.ready`; at once on the CPU, where a step is done when it
-        returns). Queries that call `release` meanwhile only mark their rows (`Batch.compact` frees them)."""
-        event = self.runner.ready
-        while event is not None and not event.query():
-            await asyncio.sleep(0)
-
-    async def _prefill_step(self) -> bool:
-        """Run the prefills `_select` admits now; False if it admits none."""
-        chosen = self._select()
+        chosen = []
+        if seats > 0:
+            read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
+            ready = admission.window(self.waiting, seats + admission.SELECT_MARGIN, read_limit)
+            for w in ready:
+                w.part = None
+                if not w.started:  # (a prompt prefilled in parts keeps its row: the parts done are its cached prefix)
+                    w.row = self._lookup(w.request)
+            room = self.store.available() - DECODE_RESERVE * len(self.rows)
+            part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
+            chosen = admission.select(ready, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit, part)
         chosen_set, kept, done = set(map(id, chosen)), [], []
         for w in self.waiting:  # the done ones are dropped, the chosen ones leave
             if w.future.done() or id(w) not in chosen_set:
                 (done if w.future.done() else kept).append(w)
-        admission.drop(self.store, done)
+        self._drop(done)
         self.waiting = kept
-        await self._prefill(chosen)
-        return bool(chosen)
+        return chosen
+
+    def _lookup(self, request: PrefillRequest) -> PrefillRow:
+        """The request's cached prefix (its pin moved there), and the row to prefill: the rest of its ids (the
+        last one at least: its logits are the answer)."""
+        slots, request.cached = self.cache.lookup(request.pin, request.ids, limit=len(request.ids) - 1)
+        return PrefillRow(slots, request.cached, request.ids[request.cached:])
+
+    def _make_room(self) -> list[Row]:
+        """The rows of a decode step, each with slots for its next columns: the latest rows are preempted where
+        the store cannot give them (a row alone that does not fit fails)."""
+        self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
+        self._preempt(self.pool.reserve_width(AHEAD))
+        return list(self.rows)
+
+    def _preempt(self, width: int) -> None:
+        """Preempt the latest rows until the store can give each of the others `width` slots for its next
+        columns (evicting unpinned cache leaves counts). A row alone that does not fit fails, alone (the
+        queries waiting for a prefill wait on)."""
+        if len(self.rows) * width > self.store.available():
+            self.batch.compact()  # rows that left first
+        while len(self.rows) * width > self.store.available():
+            if self._release_pins():
+                continue
+            victim = max(self.rows, key=lambda r: r.joined)
+            future = victim.pending.future
+            if not future.done():
+                future.set_exception(Preempted() if len(self.rows) > 1 else LMQBackendError(
+                    f"out of K/V slots: one query alone needs more than the KV budget holds "
+                    f"({self.store.capacity - 1} slots); raise kv_budget="))
+            self.preemptions += len(self.rows) > 1
+            self.release(victim)
+            self.batch.compact()
+
+    def _release_pins(self, evict: int = 0) -> bool:
+        """Drop the cache pins of the requests waiting for a prefill (none of it started): what they kept for
+        their next prefill, which looks its prefix up again. Under memory pressure those pages may go before a
+        running row is preempted or a query fails (a query between holes pins its prompt's path). With `evict`:
+        that many slots are freed at once, before the next look-ups pin the same pages again. True if any pin
+        was dropped."""
+        released = False
+        for w in self.waiting:
+            if not w.started and self.cache.release(w.request.pin):
+                released = True
+        if released and evict and self.store.reclaim is not None:
+            self.store.reclaim(evict + AHEAD)
+        return released
+
+    def _drop(self, waiting: list[Waiting]) -> None:
+        """Requests that will not be prefilled: free the slots that the parts done of a long prompt hold."""
+        for w in waiting:
+            if w.started:
+                self.store.free_rows(w.row.slots)
+                w.started = False
+
+    # ----- run and post-process: prefill ----------------------------------------------------------------
 
     async def _prefill(self, batch: list[Waiting]) -> None:
+        """Run the prefills (a failure splits them and runs the halves), then post-process each that ran."""
         if not batch:
             return
         started = time.perf_counter()
@@ -263,31 +332,60 @@ class Scheduler:
             self.batch.drop_unjoined()  # the rows this prefill added, with the slots they took
             if not isinstance(e, Exception):  # (the scheduler itself is stopping)
                 _fail([w.future for w in batch], e)  # taken off `waiting` already: `_fail_all` would not reach them
-                admission.drop(self.store, batch)
+                self._drop(batch)
                 raise
             if len(batch) > 1:  # out of memory, or a failure one query's rows may cause: halves, retried
                 half = len(batch) // 2
                 await self._prefill(batch[:half])
                 await self._prefill(batch[half:])
                 return
-            error = admission.requeue_alone(batch[0], e, self.waiting, self.store, bool(self.rows))
+            error = self._requeue(batch[0], e)
             if error is not None:  # its own prefill fails alone: that query gets the error
                 batch[0].future.set_exception(error)
             return
-        if batch[0].partial:  # (alone) a part of a long prompt: its K/V are the cached prefix of the next part
-            w = batch[0]
-            keep = w.row.cached + w.part
-            held = self.pool.segment(slots[0], 0, keep)
-            self.pool.remove_row(slots[0], keep)
-            new, cached = w.part, w.row.cached
-            w.advance(held)
-            if w.future.done():
-                admission.drop(self.store, [w])
-            else:
-                self.waiting.insert(0, w)
-                self._after_part = True
-            self._report("prefill", 1, new, cached, started)
-            return
+        if batch[0].partial:
+            self._part_done(batch[0], slots[0], started)
+        else:
+            await self._join(batch, logits, slots, started)
+
+    def _requeue(self, w: Waiting, e: Exception) -> Exception | None:
+        """A request whose prefill failed alone with `e`: queued again where waiting may help (None) — out of
+        memory with more than MIN_PART new tokens: first, in parts of half as many; out of memory or K/V slots
+        while rows run (they will leave and free theirs) or pins of waiting requests could go: last — else
+        the error its query gets (what its parts held freed)."""
+        new = len(w.step_row().ids)
+        if isinstance(e, torch.OutOfMemoryError) and new > admission.MIN_PART:
+            w.most = max(admission.MIN_PART, new // 2)
+            self.waiting.insert(0, w)
+            return None
+        short = isinstance(e, (torch.OutOfMemoryError, OutOfSlots))
+        if short and (self.rows or self._release_pins(new)):
+            self.waiting.append(w)
+            return None
+        self._drop([w])
+        if not short:
+            return e
+        what = "K/V slots" if isinstance(e, OutOfSlots) else "memory"
+        return LMQBackendError(f"out of {what} prefilling one query alone ({new} new tokens): {e}")
+
+    def _part_done(self, w: Waiting, slot: int, started: float) -> None:
+        """A part of a long prompt ran (alone): its K/V are the cached prefix of the next part, held by the
+        request; the request waits first."""
+        keep = w.row.cached + w.part
+        held = self.pool.segment(slot, 0, keep)
+        self.pool.remove_row(slot, keep)
+        new, cached = w.part, w.row.cached
+        w.advance(held)
+        if w.future.done():
+            self._drop([w])
+        else:
+            self.waiting.insert(0, w)
+            self._after_part = True
+        self._report("prefill", 1, new, cached, started)
+
+    async def _join(self, batch: list[Waiting], logits: torch.Tensor, slots: list[int], started: float) -> None:
+        """The prefilled rows join the running batch: each request's pick made, what it computed stored in the
+        prefix cache, its query woken."""
         try:
             await self._device_done()
             drawn = per_row(self.runner.sample, logits, [w.request.draw for w in batch])
@@ -310,74 +408,63 @@ class Scheduler:
                 self.release(row)  # pins are gone), so nothing of it is stored
                 continue
             try:
-                w.request.complete(row_logits, row)
+                self._store(w.request, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
                 self.release(row)
                 w.future.set_exception(e)
                 continue
             w.future.set_result((row_logits, row))
 
-    async def _decode_step(self) -> None:
-        started = time.perf_counter()
-        self.pool.make_room(self.pool.rows, 0, extra=AHEAD)
-        self._preempt(self.pool.reserve_width(AHEAD))
-        if not self.rows:  # (a row alone that did not fit failed)
+    def _store(self, request: PrefillRequest, row: Row) -> None:
+        """What the request computed of ids[:stored] goes to the prefix cache, under its pin."""
+        if request.cached < request.stored:
+            self.cache.extend(request.pin, request.ids[request.cached:request.stored],
+                             self.pool.segment(row.slot, request.cached, request.stored))
+
+    # ----- run and post-process: decode -----------------------------------------------------------------
+
+    async def _decode_step(self, rows: list[Row]) -> None:
+        """One token for each running row, then each row's pick: its continuation fed (it goes on in the next
+        step) or its caller woken."""
+        if not rows:  # (a row alone that did not fit failed)
             return
-        rows = list(self.rows)
-        work = [self.decodes.get(id(row), LEFT) for row in rows]
-        tokens = [w[0] for w in work]
-        ahead = [w[1] for w in work]
+        started = time.perf_counter()
+        work = [row.pending for row in rows]  # None: a row that left (still in the batch: see `_schedule`)
+        tokens = [-1 if w is None else w.token for w in work]  # (-1: any, the token of a step run ahead)
+        ahead = [0 if w is None else w.ahead for w in work]
         # the logits go to the host only for a row the device may not pick for (or may redo: Checked) or returns them
-        want = any(a.__class__ is not int or w[3] is None for a, w in zip(ahead, work) if w is not LEFT)
+        want = any(w.ahead.__class__ is not int or w.then is None for w in work if w is not None)
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
         cached = sum(self.pool.length(row.slot) for row in rows) if self.on_step is not None else 0
         self.pool.end += 1
-        self.decodes = {}
+        for row in rows:
+            row.pending = None
         try:
             await self._device_done()
             drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
-            live = sum(w is not LEFT for w in work)
+            live = sum(w is not None for w in work)
             self._report("decode", live, live, cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
-            _fail([w[2] for w in work], e)  # (taken off `decodes`: `_fail_all` would not reach them)
+            _fail([w.future for w in work if w is not None], e)  # (off the rows: `_fail_all` would not reach them)
             return
-        for i, (row, (_, _, future, then)) in enumerate(zip(rows, work)):
+        for i, (row, w) in enumerate(zip(rows, work)):
             row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
-            if future is None or future.done():  # (a row that left) cancelled
+            if w is None or w.future.done():  # (a row that left) cancelled
                 continue
-            if then is not None:
+            if w.then is not None:
                 try:
-                    step = then(logits, i)
+                    step = w.then(logits, i)
                 except Exception as e:  # noqa: BLE001 - the failure belongs to that query alone
-                    future.set_exception(e)
+                    w.future.set_exception(e)
                     continue
                 if step is not None:  # the row goes on in the next step, its caller still waiting
-                    self.decodes[id(row)] = (*step, future, then)
+                    row.pending = Decode(*step, w.future, w.then)
                     continue
-            future.set_result(None if logits is None else logits[i])
+            w.future.set_result(None if logits is None else logits[i])
 
-    def _preempt(self, width: int) -> None:
-        """Preempt the latest rows until the store can give each of the others `width` slots for its next
-        columns (evicting unpinned trie leaves counts). A row alone that does not fit fails, alone (the
-        queries waiting for a prefill wait on)."""
-        if len(self.rows) * width > self.store.available():
-            self.batch.compact()  # rows that left first
-        while len(self.rows) * width > self.store.available():
-            if admission.release_pins(self.waiting, self.store):
-                continue
-            victim = max(self.rows, key=lambda r: r.joined)
-            future = self.decodes[id(victim)][2]
-            if not future.done():
-                future.set_exception(Preempted() if len(self.rows) > 1 else LMQBackendError(
-                    f"out of K/V slots: one query alone needs more than the KV budget holds "
-                    f"({self.store.capacity - 1} slots); raise kv_budget="))
-            self.preemptions += len(self.rows) > 1
-            self.release(victim)
-            self.batch.compact()
-
-    def _decode(self, rows: slice, tokens: list[int], ahead: list[int | None] | None = None,
+    def _decode(self, rows: slice, tokens: list[int], ahead: list[int | Draw | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:
         try:
             return self.runner.decode(self.pool, rows, tokens, ahead, want_logits=want_logits)
@@ -389,12 +476,22 @@ class Scheduler:
             return torch.cat([self._decode(slice(rows.start, mid), tokens[: n // 2]),
                               self._decode(slice(mid, rows.stop), tokens[n // 2:])])
 
+    async def _device_done(self) -> None:
+        """Let the other tasks (the queries' own host work: tokenizing, building results) run until the device
+        has done the step just queued (`ModelRunner.ready`; at once on the CPU, where a step is done when it
+        returns). Queries that call `release` meanwhile only mark their rows (`Batch.compact` frees them)."""
+        event = self.runner.ready
+        while event is not None and not event.query():
+            await asyncio.sleep(0)
+
     def _fail_all(self, error: Exception) -> None:
         """A step failed unexpectedly: every query waiting on the engine gets the error."""
-        _fail([w.future for w in self.waiting] + [d[2] for d in self.decodes.values()], error)
-        admission.drop(self.store, self.waiting)
+        _fail([w.future for w in self.waiting] + [r.pending.future for r in self.rows if r.pending is not None],
+              error)
+        self._drop(self.waiting)
         self.waiting.clear()
-        self.decodes.clear()
+        for row in self.rows:
+            row.pending = None
 
     def _report(self, kind: str, batch: int, new: int, cached: int, started: float) -> None:
         if self.on_step is not None:

@@ -207,7 +207,7 @@ async def test_queries_between_holes_do_not_starve_a_tight_kv_budget(make_backen
     for their next hole's prefill pin their prompts' paths in the trie, which filled the store until a query's
     prefill or the one decoding row had no slot, and failed ("out of K/V slots prefilling one query alone";
     in a decode step: every query). Those pins are cache only and now go under pressure
-    (`admission.release_pins`; with no row running, a prefill short of slots evicts what they let go at
+    (`Scheduler._release_pins`; with no row running, a prefill short of slots evicts what they let go at
     once, before the next look-ups pin it again): every query completes, as alone."""
     src = ('"Item {x}: words[A]" where len(TOKENS(A)) < 8\n" then some more text:[B]" where len(TOKENS(B)) < 12\n'
            '" free:[C]" where len(TOKENS(C)) < 6')

@@ -188,8 +188,8 @@ async def test_steps_run_ahead_pick_within_characters_under_the_masks_the_host_m
     assert got == want
     decoder = ahead.runner._decoder[0]
     assert decoder.took_ahead >= decoder.ran_ahead // 2 > 0
-    inside = [m for family in ahead._proposals.families.values() for m in family[1:]]  # continuing 1-3 bytes
-    within = {k for k, g in enumerate(ahead._greedy_masks) if any(g is m for m in inside)}
+    inside = [m for family in ahead.masks.proposals.families.values() for m in family[1:]]  # continuing 1-3 bytes
+    within = {k for k, g in enumerate(ahead.masks.greedy) if any(g is m for m in inside)}
     assert any(masks & within for masks in taken)
 
 
@@ -209,7 +209,7 @@ def compiled_variants() -> dict[str, int]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_new_prompt_lengths_and_batch_sizes_compile_no_kernel_again(tokenizer):
-    """Triton compiles a kernel again (0.2-3 s, a stall of every query) when an int argument or a pointer's
+    """Triton compiles a kernel again (seconds, a stall of every query) when an int argument or a pointer's
     16-byte alignment changes: prompts of every length and prefills of 1-6 rows use the kernels the first
     queries compiled."""
     backend = lmq.HFBackend.from_model(llama("cuda", 256, 2, 4), tokenizer, name="variants")

@@ -1,0 +1,136 @@
+"""`PrefixCache`: the prefix cache of one backend, its API and a request's lifecycle in it.
+
+The API is SGLang's radix cache's: `match` (the longest cached prefix, split at a token boundary), `insert`,
+`lock` / `unlock` (a pin walks to the root: a locked path is never evicted), `evict` (unlocked leaves, least
+recently used first), `evictable_bytes` / `protected_bytes`. The nodes and their bookkeeping are the trie's
+(`trie.py`); their K/V slots are the store's (`kv_store.py`), which asks the cache to evict when it runs short
+(`KVStore.reclaim`, `KVStore.evictable`).
+
+A request holds a `Pin`: the node covering the prefix it reads, locked while it does. Its lifecycle:
+
+    slots, cached = cache.lookup(pin, ids, limit)   # match, and move the pin to the match: its page table
+    cache.extend(pin, ids, slots)                   # insert what it computed under its pin; the pin follows
+    cache.release(pin)                              # done (finished, failed or cancelled): unlock
+    copy = cache.fork(pin)                          # a second pin on the same node (a beam's copy)
+
+`budget_bytes` bounds what the cache keeps (0: nothing is kept, every prefill computes the whole prompt).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .kv_store import KVStore
+from .trie import PrefixTrie, TrieNode
+
+
+@dataclass(slots=True, eq=False)
+class Pin:
+    """A request's lock on the cached prefix it reads (`node`: None, none held)."""
+
+    node: TrieNode | None = None
+
+    @property
+    def depth(self) -> int:
+        """Tokens of the prefix the pin holds."""
+        return 0 if self.node is None else self.node.depth
+
+
+class PrefixCache:
+    def __init__(self, store: KVStore, budget_bytes: int):
+        self.trie = PrefixTrie(budget_bytes, store.bytes_per_token, store)
+        # the store asks the trie for slots through a weak reference: no cycle keeps the store's memory alive
+        # once the engine is dropped
+        trie, per_token = weakref.proxy(self.trie), store.bytes_per_token
+        store.reclaim = lambda n: trie.evict(n * per_token)
+        store.evictable = lambda: trie.evictable_bytes() // per_token
+
+    # ----- the cache ------------------------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.trie.budget_bytes
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.trie.bytes_in_use
+
+    @property
+    def evictions(self) -> int:
+        """Nodes evicted so far."""
+        return self.trie.evictions
+
+    def __len__(self) -> int:
+        return len(self.trie)
+
+    def match(self, ids: Sequence[int], limit: int | None = None) -> tuple[TrieNode, int]:
+        """The longest cached prefix of ids[:limit]: (node, its length); a match inside a node splits it."""
+        return self.trie.match(ids, limit)
+
+    def insert(self, parent: TrieNode, ids: Sequence[int], slots: np.ndarray) -> TrieNode | None:
+        """Store `ids` after `parent`'s prefix with their K/V `slots` (the cache takes those it keeps): the node
+        covering them, or None where they cannot fit (see `PrefixTrie.insert`)."""
+        return self.trie.insert(parent, ids, slots)
+
+    def lock(self, node: TrieNode) -> None:
+        self.trie.pin(node)
+
+    def unlock(self, node: TrieNode) -> None:
+        self.trie.unpin(node)
+
+    def evict(self, nbytes: int) -> int:
+        """Evict unlocked leaves, least recently used first, until `nbytes` are freed; returns the bytes freed."""
+        return self.trie.evict(nbytes)
+
+    def evictable_bytes(self) -> int:
+        return self.trie.evictable_bytes()
+
+    def protected_bytes(self) -> int:
+        return self.trie.protected_bytes()
+
+    def pinned_nodes(self) -> int:
+        """Nodes with a pin on them or below them, the root included (0: no request holds a pin)."""
+        return self.trie.pinned_nodes()
+
+    # ----- a request's lifecycle ------------------------------------------------------------------------
+
+    def lookup(self, pin: Pin, ids: Sequence[int], limit: int | None = None) -> tuple[np.ndarray, int]:
+        """Match ids[:limit] and move `pin` to the match: (the prefix's page table, int32 [n]; n, the tokens
+        cached)."""
+        node, cached = self.trie.match(ids, limit)
+        self.move(pin, node)
+        return self.trie.path_slots(node), cached
+
+    def extend(self, pin: Pin, ids: Sequence[int], slots: np.ndarray) -> bool:
+        """Insert `ids` (with their K/V `slots`) after the pin's prefix, and move the pin to them; False where
+        nothing was stored (a cache of budget 0, or they do not fit: the pin stays)."""
+        if self.trie.budget_bytes == 0 or pin.node is None:
+            return False
+        node = self.trie.insert(pin.node, ids, slots)
+        if node is None:
+            return False
+        self.move(pin, node)
+        return True
+
+    def release(self, pin: Pin) -> bool:
+        """Drop the pin's lock; True if it held one."""
+        held = pin.node is not None
+        self.move(pin, None)
+        return held
+
+    def fork(self, pin: Pin) -> Pin:
+        """A new pin on the same node."""
+        copy = Pin()
+        self.move(copy, pin.node)
+        return copy
+
+    def move(self, pin: Pin, node: TrieNode | None) -> None:
+        """Move the pin to `node` (None: drop it), locking the new node before unlocking the old."""
+        if node is not None:
+            self.trie.pin(node)
+        if pin.node is not None:
+            self.trie.unpin(pin.node)
+        pin.node = node
