@@ -33,6 +33,20 @@ def _silu_mul_kernel(GU, OUT, I, stride_gu, stride_out, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_out + offs, (act * u).to(OUT.dtype.element_ty), mask=mask)
 
 
+def rmsnorm(x, w, eps: float, out) -> None:
+    """Launch `_rmsnorm_kernel`: out = rmsnorm(x) * w over the rows of x [rows, n]."""
+    rows, n = x.shape
+    _rmsnorm_kernel[(rows,)](x, w, out, n, x.stride(0), out.stride(0), eps,
+                             BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+
+
+def silu_mul(gu, out) -> None:
+    """Launch `_silu_mul_kernel`: out = silu(gate) * up over the rows of gu = [gate | up] [rows, 2 I]."""
+    rows, i = out.shape
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+
+
 @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every prefill length
 def _rope_append_kernel(
     QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, TABLE, END, NROWS, T, N,

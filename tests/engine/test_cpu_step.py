@@ -1,4 +1,4 @@
-"""A CPU decode step's layers in one C call (lmq_kernels.triton/step.c, engine/fused/cpu_step.py) against the
+"""A CPU decode step's layers in one C call (kernels/cpu/step.c, engine/fused/cpu_step.py) against the
 per-op layer loop with lmq's kernels: the same bits (logits, every K/V written) for float32, q/k/v biases,
 q/k norms, int8 and int4 weights, on every instruction-set variant this host runs; a row's bits do not
 depend on the batch; the calibration measures the two paths and leaves the step's result as either gives.
@@ -9,14 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from lmq_backend.engine.fused import decoder as decoder_module
 from lmq_backend.engine.fused import cpu_step
-from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.quantize import quantize_model
 from lmq_kernels import cpu
 from lmq_kernels.cpu.calibration import Calibration
 from support.cpu_targets import TARGETS
 from test_fused_decode import assert_same_forwards, prefill_then_steps
+from support.caches import paged_view
 
 
 def model_of(arch: str, seed: int = 0):
@@ -44,17 +43,19 @@ def count_fused(monkeypatch):
     """How many steps ran their layers in one C call."""
     calls = []
 
-    def counting(decoder, bp):
-        ran = cpu_step.run_layers(decoder, bp)
+    run = cpu_step.CpuLayers.run
+
+    def counting(self, *args):
+        ran = run(self, *args)
         calls.append(ran)
         return ran
-    monkeypatch.setattr(decoder_module, "run_layers", counting)
+    monkeypatch.setattr(cpu_step.CpuLayers, "run", counting)
     return calls
 
 
 def per_op(monkeypatch, model, **kw):
     with monkeypatch.context() as m:
-        m.setattr(decoder_module, "run_layers", lambda decoder, bp: False)
+        m.setattr(cpu_step.CpuLayers, "run", lambda self, *args: False)
         return prefill_then_steps(model, **kw)
 
 
@@ -122,9 +123,8 @@ def test_declines_what_it_does_not_take(monkeypatch):
     from test_fused_decode import tiny_llama
 
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
-    calls = []
-    monkeypatch.setattr(decoder_module, "run_layers",
-                        lambda d, bp: calls.append(cpu_step.run_layers(d, bp)) or calls[-1])
+    calls, run = [], cpu_step.CpuLayers.run
+    monkeypatch.setattr(cpu_step.CpuLayers, "run", lambda self, *args: calls.append(run(self, *args)) or calls[-1])
     prefill_then_steps(tiny_llama(), steps=3)             # head dim 16
     assert calls == [False] * 3
     calls.clear()

@@ -13,7 +13,8 @@ import pytest
 import lmq_backend as lmq
 from lmq_backend.engine import admission
 from lmq_backend.engine.admission import JOIN_SHARE, PATIENCE
-from lmq_backend.engine.fused.graphs import bucket_for
+from lmq_backend.engine.fused import bucket_for
+from support.caches import node_slots
 
 BUSY = '"Count to many:[A]" where len(TOKENS(A)) < 90'
 LATE = '"Late {i}:[B]" where len(TOKENS(B)) < 4'
@@ -95,4 +96,4 @@ async def test_rows_that_left_stay_while_a_step_runs_ahead(make_backend, monkeyp
     assert all(bucket_for(rows - left, m) == bucket_for(rows, m) for left, rows in steps)
     s = backend.scheduler
     assert s.pool.rows == 0 and not s.rows and backend.trie.pinned_nodes() == 0
-    backend.store.check(backend.trie.node_slots(), [])
+    backend.store.check(node_slots(backend.trie), [])

@@ -1,11 +1,11 @@
 """A CPU decode step's layers in one C call (`lmq_kernels.cpu.step`) instead of the layer loop's ~9 op
 calls a layer (`FusedDecoder._layers`), where measurement says it is the faster on this machine.
 
-    run_layers(decoder, bp) -> bool     True: the layers ran in C; False: run the per-op loop
+    decoder.cpu_layers.run(decoder, bp, ...) -> bool     True: the layers ran in C; False: run the per-op loop
 
-Why: the per-op loop makes ~270 calls from Python a step (SmolLM2-135M); each costs Python, ctypes and an
-OpenMP fork/join, more once the GEMMs' weights have evicted the interpreter from the caches: ~8 ms of a
-~40 ms float32 step at one row on a 2-core Zen 3 (benchmarks/RESULTS.md, tenth session). The C side runs
+Why: the per-op loop makes hundreds of calls from Python a step; each costs Python, ctypes and an OpenMP
+fork/join, more once the GEMMs' weights have evicted the interpreter from the caches: a large share of a small
+model's step at one row. The C side runs
 the same kernels' arithmetic (each row's bits as with lmq's per-op kernels), in one parallel region.
 
 The choice: `cpu.choose("decode_layers", (threads, row bucket, weight kind, model shape), bench)`, measured
@@ -17,6 +17,7 @@ runs the per-op loop: the per-op kernels' own first-use calibrations are not mea
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ from lmq_kernels.cpu.step import MAX_ROWS, Layer, LayerPlan, Weight, decode_laye
 from ..quantize import QuantizedLinear
 from .weights import loads
 
-__all__ = ["run_layers", "plan_for", "head_panels"]
+__all__ = ["CpuLayers", "plan_for"]
 
 
 PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most this share of the machine's memory
@@ -41,8 +42,8 @@ def _weight(w, panels: bool) -> Weight:
 
 def _panels_fit(decoder) -> bool:
     """Whether panel-major copies of the float32 weights (the layers' `Weight`s, the LM head: `head_panels`) fit
-    PANELS_MAX_MEMORY of the machine's memory (the default model: ~540 MB; a 1B-parameter model in float32
-    would double ~5 GB), and lmq's kernels, which read them, run here."""
+    PANELS_MAX_MEMORY of the machine's memory (a copy of every float32 weight), and lmq's kernels, which read
+    them, run here."""
     if not cpu.available():
         return False
     weights = [w for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [decoder.lm_head]
@@ -54,37 +55,77 @@ def _panels_fit(decoder) -> bool:
     return size <= PANELS_MAX_MEMORY * memory
 
 
-def _since_load(decoder, name: str, make):
-    """The decoder's `name`, made by `make()` at first use and again after each load (`weights.loads()`): what
-    holds copies of the weights (panel-major) is stale after one."""
-    made, value = decoder.__dict__.get(name, (-1, None))
-    if made != loads():
-        value = make()
-        setattr(decoder, name, (loads(), value))
-    return value
+class CpuLayers:
+    """A fused decoder's CPU step in one C call (see the module docstring), and the panel-major weight copies
+    lmq's C kernels read: made at first use, and again after each load of the weights (`weights.loads()`: a
+    copy is stale after one). The decoder holds one and passes itself to each call."""
 
+    def __init__(self):
+        self._made: dict[str, tuple[int, object]] = {}  # name -> (the load it was made after, it)
+        self._seen: set[tuple] = set()  # the shape classes this process has stepped
 
-def head_panels(decoder) -> torch.Tensor | None:
-    """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`), where the copies fit
-    (`_panels_fit`); else (and on a GPU) None (K-major)."""
-    if decoder.triton:
-        return None
+    def _since_load(self, name: str, make):
+        made, value = self._made.get(name, (-1, None))
+        if made != loads():
+            value = make()
+            self._made[name] = (loads(), value)
+        return value
 
-    def make():
-        w = decoder.lm_head
-        ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
-        return panel_major(w.t()) if ok else None
-    return _since_load(decoder, "_head_panels", make)
+    def head_panels(self, decoder) -> torch.Tensor | None:
+        """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`), where the copies fit
+        (`_panels_fit`); else (and on a GPU) None (K-major)."""
+        if decoder.triton:
+            return None
 
+        def make():
+            w = decoder.lm_head
+            ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
+            return panel_major(w.t()) if ok else None
+        return self._since_load("head", make)
 
-def layer_panels(decoder) -> list[tuple]:
-    """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads, for the small-M
-    GEMMs of the per-op step and the prefill (`cpu.small_m_mm(panels=)`: the same bits as the K-major weights,
-    streamed faster); None where a weight has none (no plan, no copies, a GPU)."""
-    plan = None if decoder.triton else _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
-    if plan is None:
-        return [(None,) * 4] * len(decoder.layers)
-    return [(ly.qkv.panels, ly.o.panels, ly.gu.panels, ly.down.panels) for ly in plan.layers]
+    def layer_panels(self, decoder) -> list[tuple]:
+        """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads, for the small-M
+        GEMMs of the per-op step and the prefill (`cpu.small_m_mm(panels=)`: the same bits as the K-major
+        weights, streamed faster); None where a weight has none (no plan, no copies, a GPU)."""
+        plan = None if decoder.triton else self._since_load("plan", lambda: plan_for(decoder))
+        if plan is None:
+            return [(None,) * 4] * len(decoder.layers)
+        return [(ly.qkv.panels, ly.o.panels, ly.gu.panels, ly.down.panels) for ly in plan.layers]
+
+    def run(self, decoder, bp: int, rope: tuple[torch.Tensor, torch.Tensor], first: int, end: int,
+            per_op: Callable[[int], None]) -> bool:
+        """Every layer of `decoder`'s CPU step for its first `bp` rows in one C call, if chosen (see the module
+        docstring); False (nothing computed) otherwise. `rope`: the step's (cos, sin); `first`, `end`: the
+        columns it reads from and writes at; `per_op(bp)`: the per-op loop, which calibration measures
+        against."""
+        if decoder.triton or bp > MAX_ROWS or not cpu.available():
+            return False
+        plan = self._since_load("plan", lambda: plan_for(decoder))
+        if plan is None:
+            return False
+        threads = torch.get_num_threads()
+        shape_class = (threads, cpu._up(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
+        if shape_class not in self._seen:   # this process's first step of the class: the per-op loop (see the top)
+            self._seen.add(shape_class)
+            return False
+        x = decoder.x[:bp]
+
+        def fused() -> bool:
+            return decode_layers(plan, x, decoder.Hq, *rope, decoder.positions, decoder.table, decoder.start, first,
+                                 end, decoder.qkv[:bp], decoder.q[:bp], decoder.attn[:bp], decoder.gu[:bp],
+                                 decoder.act[:bp])
+
+        x0 = []
+
+        def bench():
+            x0.append(x.clone())
+            restore = x.copy_
+            return (lambda: (restore(x0[0]), fused()), lambda: (restore(x0[0]), per_op(bp)))
+
+        use = cpu.choose("decode_layers", shape_class, bench)
+        if x0:
+            x.copy_(x0[0])   # the bench left its last run's result
+        return use and fused()
 
 
 def plan_for(decoder) -> LayerPlan | None:
@@ -105,37 +146,3 @@ def plan_for(decoder) -> LayerPlan | None:
 def _kind(decoder) -> str:
     w = decoder.layers[0].wgu
     return w.kind if isinstance(w, QuantizedLinear) else "f32"
-
-
-def run_layers(decoder, bp: int) -> bool:
-    """Every layer of `decoder`'s CPU step for its first `bp` rows in one C call, if chosen (see the module
-    docstring); False (nothing computed) otherwise."""
-    if decoder.triton or bp > MAX_ROWS or not cpu.available():
-        return False
-    plan = _since_load(decoder, "_cpu_plan", lambda: plan_for(decoder))
-    if plan is None:
-        return False
-    seen = decoder.__dict__.setdefault("_cpu_plan_seen", set())
-    threads = torch.get_num_threads()
-    shape_class = (threads, cpu._up(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
-    if shape_class not in seen:   # this process's first step of the class: the per-op loop (see the top)
-        seen.add(shape_class)
-        return False
-    x = decoder.x[:bp]
-
-    def fused() -> bool:
-        return decode_layers(plan, x, decoder.Hq, decoder._cos, decoder._sin, decoder.positions, decoder.table,
-                             decoder.start, decoder._first_int, decoder._end_int, decoder.qkv[:bp],
-                             decoder.q[:bp], decoder.attn[:bp], decoder.gu[:bp], decoder.act[:bp])
-
-    x0 = []
-
-    def bench():
-        x0.append(x.clone())
-        restore = x.copy_
-        return (lambda: (restore(x0[0]), fused()), lambda: (restore(x0[0]), decoder._layers(bp)))
-
-    use = cpu.choose("decode_layers", shape_class, bench)
-    if x0:
-        x.copy_(x0[0])   # the bench left its last run's result
-    return use and fused()

@@ -1,4 +1,4 @@
-"""Fused single-token decode step for the Llama family (issue #5), gpt-fast style, CUDA-graph friendly.
+"""Fused single-token decode step for the Llama family, gpt-fast style, CUDA-graph friendly.
 
 One call of `FusedDecoder.step` runs one new token per row of a left-padded batch whose K/V live in the
 backend's store, read through the rows' page tables (`kv_pool.py`, `cache/kv_store.py`,
@@ -22,24 +22,25 @@ Per step:
         x  += m @ Wdown^T                                 (addmm_)
     logits = rmsnorm(x) * w_final @ Wlm^T                 [Bp, V]  model dtype
 
-That is 8 launches per layer (cuBLAS adds a split-K reduce to some GEMMs).  Measured on an H200, bf16, 2k
-context, Llama-3.2-1B shape: 1.10 ms per step at batch 1, 1.38 ms at batch 16 (floor 0.59 / 0.83 ms); the
-GEMMs take ~0.8 ms of it (~3.1 TB/s: the large ones near peak, qkv/o_proj latency-bound at ~5-6 us each),
-attention 0.12 ms (batch 1) / 0.35 ms (batch 16), the small Triton kernels ~0.1 ms. Padding rows (b >= B, up
-to the bucket) have `start = S_max` (no valid column: the attention kernel returns zeros for them) and write
-nothing into the pool.
+That is 8 launches per layer (cuBLAS adds a split-K reduce to some GEMMs); the GEMMs take most of a step.
+Padding rows (b >= B, up to the bucket) have `start = S_max` (no valid column: the attention kernel returns
+zeros for them) and write nothing into the pool.
 
-On a GPU the step is captured in a CUDA graph per bucket of batch sizes and can pick greedily and run the
-next step ahead on the device (`graphs.py`); the same layer loop prefills many tokens per row (`prefill.py`).
-The weights are laid out once per model (`weights.py`), the ops run on Triton kernels (`kernels.py`) or lmq's
-C kernels (`ops.py`).
+On a GPU the step is captured in a CUDA graph per bucket of batch sizes (`bucket_for`): every activation lives
+in a buffer allocated once at `max_batch` rows and sliced per bucket, and the inputs (`tokens`, `positions`,
+`start`, `end`, the real row count) in static device tensors, so a graph captured once per bucket replays for
+every step. The first step of a bucket warms up (Triton JIT, the attention kernel's ticket buffer) and
+captures; warm-up runs write the same K/V at the same column as the real step, so they are harmless. A
+captured step also picks on the device (greedy under each of the runner's masks, sampled where rows sample:
+`picks_gpu.pick_in_step`) and can run the next step ahead on its picks (`run_ahead`). The same layer loop
+prefills many tokens per row (`prefill.py`). The weights are laid out once per model (`weights.py`), the ops
+run on Triton kernels (`lmq_kernels.triton.ops`) or lmq's C kernels (`ops.py`).
 
 On a CPU the same step runs eagerly, exactly B rows, with lmq's C kernels (`lmq_kernels.cpu`) for the small
 ops, the GEMMs of 2-8 rows and the attention where calibration measured them faster (torch ops elsewhere, and
 where the library cannot be built: torch's grouped-query attention over the pool's columns [min(start), end]
 gathered, `attention.py`); the weights are the model's own, stored K-major (see `weights.py`). There it replaces
-Hugging Face's forward for decode steps too (SmolLM2-135M, 500-token context, 2 cores: 39 vs 47 ms a step
-at batch 1, 85 vs 126 ms at batch 8, before the C kernels).
+Hugging Face's forward for decode steps too (faster than the forward even before the C kernels).
 """
 from __future__ import annotations
 
@@ -52,15 +53,21 @@ from lmq_kernels.cpu.layout import padded_stride
 from lmq_kernels.triton.masked_argmax import MaskedPicks
 
 from ..attention import grouped_attention
-from .cpu_step import head_panels, layer_panels, run_layers
-from ..picks_gpu import DevicePicks, write_picks
-from .graphs import GraphSteps, bucket_for
+from ..picks_gpu import DevicePicks, pick_in_step, write_picks
 from .prefill import Prefill
 
-__all__ = ["FusedDecoder"]
+__all__ = ["FusedDecoder", "bucket_for"]
 
 
-class FusedDecoder(GraphSteps, Prefill):
+def bucket_for(n: int, max_batch: int) -> int:
+    """Smallest power of two >= n, capped at max_batch."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_batch)
+
+
+class FusedDecoder(Prefill):
     """Single-token decode steps of a Llama-family HF model over a static KV pool (see the module docstring).
 
     `step` returns logits `[B, V]` in the model's dtype, a view of a static buffer that the next `step`
@@ -156,8 +163,8 @@ class FusedDecoder(GraphSteps, Prefill):
         kc, vc = self.k_cache[l], self.v_cache[l]
         if cpu.attention(self.q[:bp], kc, vc, self.table[:bp, first:end1], self._starts, self.attn[:bp], scaling):
             return
-        cols = self.table[:bp, first:end1].reshape(-1)     # index_select: advanced indexing kc[cols] took
-        s = end1 - first                                    # 0.3-1.9 ms a layer for one row of 400-600 columns
+        cols = self.table[:bp, first:end1].reshape(-1)     # index_select: far cheaper than advanced indexing
+        s = end1 - first
         k = kc.index_select(0, cols).view(bp, s, *kc.shape[1:]).transpose(1, 2)  # [bp, H_kv, S, D]
         v = vc.index_select(0, cols).view(bp, s, *vc.shape[1:]).transpose(1, 2)
         out, _ = grouped_attention(None, self.q[:bp, :, None], k, v, self._allowed, scaling)  # [bp, 1, Hq, D]
@@ -170,10 +177,11 @@ class FusedDecoder(GraphSteps, Prefill):
         torch.index_select(self.embed, 0, self.tokens[:bp], out=x)              # [bp, hidden]
         if not self.triton:
             self._cpu_step_setup(bp)
-        if self.triton or not run_layers(self, bp):   # the CPU's layers in one C call where measured faster
+        if self.triton or not self.cpu_layers.run(self, bp, (self._cos, self._sin), self._first_int, self._end_int,
+                                                  self._layers):  # the CPU's layers in one C call where faster
             self._layers(bp)
         self._rmsnorm(x, self.final_norm, self.final_eps, h)
-        self._mm(h, self.lm_head, self.logits[:bp], panels=head_panels(self))  # [bp, V]
+        self._mm(h, self.lm_head, self.logits[:bp], panels=self.cpu_layers.head_panels(self))  # [bp, V]
         if self.masks is not None:
             self._pick_and_advance(bp)
 
@@ -181,7 +189,7 @@ class FusedDecoder(GraphSteps, Prefill):
         """The layer loop of a step, op by op (see the module docstring)."""
         x, h = self.x[:bp], self.h[:bp]
         start = self.start[:bp]
-        panels = layer_panels(self)
+        panels = self.cpu_layers.layer_panels(self)
         fused = self.triton and self.new_token_in_attention   # attention rotates and appends the new token
         for l, lw in enumerate(self.layers):
             p_qkv, p_o, p_gu, p_down = panels[l]
@@ -293,3 +301,101 @@ class FusedDecoder(GraphSteps, Prefill):
         self._copy_picks(B)
         return self.logits[:B]
 
+    # ------------------------------------------------------------------------------------- CUDA graphs, picks
+    def _pick_and_advance(self, bp: int) -> None:
+        """The step's picks on the device (`picks_gpu.pick_in_step`: each row's greedy pick under each mask,
+        its sample where the step samples, the mask it picked under, into `guess`) and, in a captured step,
+        the inputs of the step after it: each row's pick, one position and one column further, and the mask
+        its next pick will likely use (`_mask_after`; a run-ahead replays the same graph on them)."""
+        mask = self.ahead[:bp]
+        chosen = pick_in_step(self.logits[:bp], self.masks, self._masked_picks if self.triton else None, mask,
+                              self.temperature[:bp] if self.sampling else None, self.u[:bp], self.guess)
+        if self.use_graphs:
+            self.tokens[:bp].copy_(chosen)
+            self.positions[:bp].add_(1)
+            self.end.add_(1)
+            self.end1.add_(1)
+            if self._mask_after is not None:
+                self.ahead[:bp].copy_(self._mask_after[mask.long() * self.vocab + chosen])
+
+    def _capture(self, bp: int) -> torch.cuda.CUDAGraph:
+        inputs = self._inputs.clone()  # a step with greedy masks advances its inputs (`_pick_and_advance`)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # JIT + ticket buffer; rewrites the same K/V at the same column
+                self._forward(bp)
+                self._inputs.copy_(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._forward(bp)
+        return graph
+
+    def _copy_picks(self, B: int) -> None:
+        """The step's picks on their way to the host (with the masks it picked under; its draws' (temperature,
+        u): `_ahead_draws`)."""
+        if self.masks is not None:
+            self._guess_host.copy_(self.guess, non_blocking=True)
+            self.picks = DevicePicks(self._guess_host, B, self._ahead_draws)
+
+    # ------------------------------------------------------------------------------------- running ahead
+    def run_ahead(self) -> bool:
+        """Launch the next step now, on the tokens this step picked on the device, while the host picks and
+        checks its own (call it after taking what you need of this step's logits: the run-ahead step
+        overwrites them). The next `step_host` takes the run-ahead step's result instead of running the
+        step again when everything it depends on is what the run-ahead assumed: the same `key` (the
+        caller's name for the pool's rows and contents), starts, end + 1, and as tokens the device's picks;
+        any other call discards it. Steps are deterministic, so a taken run-ahead step is the step itself,
+        bit for bit. Its own picks are made with the last step's temperatures, under each row's mask after
+        its pick (`mask_after`: within a UTF-8 character, the continuations'; without it, the last step's), its
+        samples at each row's `after` uniform (`picks.sampled` says whether a draw is the device's: a caller
+        whose draw differs samples itself). Only for CUDA-graph steps with greedy masks; returns whether it
+        launched."""
+        if self.masks is None or not self.use_graphs or self._last is None or self._end_int + 1 >= self.S:
+            return False
+        masks = () if self._mask_after is not None else self._specs[0]  # (else the step moved them)
+        draws = {i: (t, after) for i, (t, _, after) in self._specs[1].items()}
+        if masks or draws != self._ahead_draws:
+            self._set_ahead(masks, draws)
+        self.graphs[bucket_for(self._nrows_int, self.max_batch), self.cascade, self.sampling].replay()
+        self._end_int += 1
+        self._ahead_key = (self._last, self._end_int, self.picks)
+        self.ran_ahead += 1
+        return True
+
+    @property
+    def ahead_pending(self) -> bool:
+        """Is a launched run-ahead step waiting to be taken (or discarded) by the next `step_host`?"""
+        return self._ahead_key is not None
+
+    def discard_ahead(self) -> None:
+        """The pool changed otherwise (a prefill): the launched run-ahead step cannot be taken."""
+        self._ahead_key = None
+
+    def _take_ahead(self, last, tokens: list[int], end: int) -> bool:
+        """Is the launched run-ahead step the step asked for? (Reads the picks it ran on: call it before
+        anything else is queued.) A token -1 (a row that left) matches whatever the step ran on."""
+        key, self._ahead_key = self._ahead_key, None
+        if key is None or key[:2] != (last, end):
+            return False
+        ran = key[2].tokens()
+        if ran != tokens and (len(ran) != len(tokens) or any(t != r and t >= 0 for t, r in zip(tokens, ran))):
+            return False
+        self._copy_picks(len(tokens))
+        self.took_ahead += 1
+        return True
+
+    def _set_ahead(self, masks, draws: dict) -> None:
+        """The picks of a run-ahead step (per row its mask, or () where the step before it moved them there;
+        {row: (temperature, u)}) into the device's inputs, through a pinned buffer of their own (the step's
+        inputs' buffer may still wait for the step before it)."""
+        w = self._width
+        self._run_free.synchronize()
+        write_picks(self._run_host.numpy(), masks, draws)
+        at = 3 * w if len(masks) else 4 * w
+        self._inputs[at:6 * w].copy_(self._run_host[at - 3 * w:], non_blocking=True)
+        self._run_free.record()
+        self._ahead_draws = draws

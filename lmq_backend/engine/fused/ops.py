@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from lmq_kernels import cpu
 
+from lmq_kernels.triton.ops import rmsnorm, rope_append, silu_mul
+
 from ...paths import cache_dir
 from ..quantize import QuantizedLinear
-from lmq_kernels.triton.ops import _rmsnorm_kernel, _silu_mul_kernel, rope_append
-from .weights import _Layer, _why_not, decoder_weights
+from .cpu_step import CpuLayers
+from .weights import LayerWeights, decoder_weights, why_not
 
 
 def _rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,7 +34,7 @@ class LayerOps:
     store slot), on the store's device."""
 
     def __init__(self, model, kv: torch.Tensor, table: torch.Tensor):
-        why = _why_not(model, require_cuda=False)
+        why = why_not(model, require_cuda=False)
         if why is not None:
             raise ValueError(f"FusedDecoder does not support this model: {why}")
         cfg = model.config
@@ -67,6 +68,7 @@ class LayerOps:
         self.layers = w.layers
         self.k_cache = [kv[l, 0] for l in range(L)]          # [slots, H_kv, D] views
         self.v_cache = [kv[l, 1] for l in range(L)]
+        self.cpu_layers = CpuLayers()  # a CPU step's layers in one C call, the weights' panel-major copies
 
     def _mm(self, a: torch.Tensor, w: torch.Tensor | QuantizedLinear, out: torch.Tensor,
             accumulate: bool = False, bias: torch.Tensor | None = None, panels: torch.Tensor | None = None) -> None:
@@ -88,23 +90,18 @@ class LayerOps:
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         if self.triton:
-            rows, n = x.shape
-            _rmsnorm_kernel[(rows,)](x, w, out, n, x.stride(0), out.stride(0), eps,
-                                     BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+            rmsnorm(x, w, eps, out)
         elif not cpu.rmsnorm(x, w, eps, out):
             out.copy_(_rmsnorm_torch(x, w, eps))
 
     def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
         if self.triton:
-            rows, i = out.shape
-            block = 1024
-            _silu_mul_kernel[(rows, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0),
-                                                             BLOCK=block, num_warps=4)
+            silu_mul(gu, out)
         elif not cpu.silu_mul(gu, out):
             i = out.shape[1]
             out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
 
-    def _rope_append(self, lw: _Layer, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
+    def _rope_append(self, lw: LayerWeights, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
                      rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor, slot: int = 0) -> None:
         """q = rope(qnorm(q)) of every token of `qkv` ([rows x tokens, (Hq + 2 Hkv) D], row-major tokens);
         each token's rope(knorm(k)) and v go to the store: token t of row b to the slot of column

@@ -7,9 +7,7 @@ through the page tables (no K/V copied): on a GPU by `lmq_kernels.triton.prefill
 `lmq_kernels.cpu.prefill_attention` (C), each where it pays (see `prefill`); else by `grouped_attention` over a
 gathered copy (torch's fused attention, a boolean mask only when rows differ in length); final norm and LM
 head for the last token of each row. Eager: every prefill has new
-shapes. Measured inside a query on an H200, Llama-3.2-1B shape, 2,046 new tokens: ~10 ms (184 launches,
-8.3 ms of GPU work) where the model's forward takes 15-31 ms (700 launches, 11.9 ms of GPU work, the rest
-waiting on Python).
+shapes. On a GPU it makes a fraction of the model's forward's launches, which wait on Python.
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ from lmq_kernels.triton.prefill_attention import prefill_attention
 from lmq_kernels.triton.prefill_attention import programs as paged_programs
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
-from .cpu_step import head_panels, layer_panels
 from .ops import LayerOps
 
 
@@ -33,8 +30,8 @@ class Prefill(LayerOps):
 
     # On a GPU: attention through the page tables where the kernel has a program for every multiprocessor
     # (many rows, or many new tokens); else (one row's few new tokens after a long prefix) the gather and
-    # torch's kernel, which splits the columns (Llama-3.2-1B, 10 tokens after 2,046: 2.4 ms against 4.7 ms
-    # a prefill), and where the gather would copy more than PREFILL_READ columns. False: always the gather.
+    # torch's kernel, which splits the columns (there the faster), and where the gather would copy more than
+    # PREFILL_READ columns. False: always the gather.
     paged_attention = True
 
     @torch.inference_mode()
@@ -44,8 +41,8 @@ class Prefill(LayerOps):
         `rows`: per row (new token ids, cached count), in pool slots slot, slot + 1, ...: row b's cached K/V
         are in columns [end - n_b, end - m_b) (n_b = cached + m_b new tokens); its new tokens go to
         [end - m_b, end), left-padded to the longest new part. Each op runs once per layer over all the
-        tokens (Llama-3.2-1B: ~10 launches a layer, where Hugging Face's forward makes ~45 and a 2k-token
-        prefill on an H200 waits on the host for ~half its time); attention reads the rows' columns through
+        tokens (a few launches a layer, where Hugging Face's forward makes several times as many and a long
+        prefill waits on the host for much of its time); attention reads the rows' columns through
         their page tables (see the module's docstring). No CUDA graph (every call has
         new shapes). Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
         B, T = len(rows), max(len(ids) for ids, _ in rows)
@@ -85,7 +82,7 @@ class Prefill(LayerOps):
         gu, act = x.new_empty(N, 2 * self.inter), x.new_empty(N, self.inter)
         if not self.triton:
             self._set_rope(pos_d)
-        panels = layer_panels(self)
+        panels = self.cpu_layers.layer_panels(self)
         with model_attention(dev):
             for l, lw in enumerate(self.layers):
                 p_qkv, p_o, p_gu, p_down = panels[l]
@@ -102,7 +99,7 @@ class Prefill(LayerOps):
         h_last = torch.empty_like(last)
         self._rmsnorm(last, self.final_norm, self.final_eps, h_last)
         logits = x.new_empty(B, self.vocab)
-        self._mm(h_last, self.lm_head, logits, panels=head_panels(self))
+        self._mm(h_last, self.lm_head, logits, panels=self.cpu_layers.head_panels(self))
         return logits
 
     def _paged_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):

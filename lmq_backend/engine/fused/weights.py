@@ -1,6 +1,6 @@
 """Which models the fused step runs (`supports`), and their weights laid out for it (`decoder_weights`).
 
-Per decoder layer (`_Layer`): the q/k/v projections as one [(Hq + 2 H_kv) D, hidden] matrix and their biases
+Per decoder layer (`LayerWeights`): the q/k/v projections as one [(Hq + 2 H_kv) D, hidden] matrix and their biases
 as one vector, gate and up as one [2 I, hidden] matrix, the norms, o_proj and down_proj as they are. On a
 GPU the concatenations are copies; on the CPU every matrix is stored K-major and the model's own Linear
 modules are re-pointed to views of it. Made once per model (`decoder_weights`). The CPU layout's K-major
@@ -31,7 +31,7 @@ def _rope_type(config) -> str:
     return params.get("rope_type", params.get("type", "default")) or "default"
 
 
-def _why_not(model, require_cuda: bool = True) -> str | None:
+def why_not(model, require_cuda: bool = True) -> str | None:
     """None when `FusedDecoder` handles `model`, else the reason."""
     name = type(model).__name__
     if name not in _ARCHS:
@@ -73,12 +73,12 @@ def _why_not(model, require_cuda: bool = True) -> str | None:
 def supports(model, *, require_cuda: bool = True) -> bool:
     """True for Llama / Mistral (no sliding window) / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) causal LMs with
     default, llama3 or linear RoPE and SiLU MLPs, on CUDA (`require_cuda=False`: on any device, eager)."""
-    return _why_not(model, require_cuda) is None
+    return why_not(model, require_cuda) is None
 
 
 def _k_major(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     """An [N, K] matrix stored K-major (column-major): `x @ w.t()` then reads a row-major [K, N] operand,
-    which the CPU's BLAS multiplies 1.2-1.6x faster than [N, K] at 8-21 rows (SmolLM2 shapes). Its row stride
+    which the CPU's BLAS multiplies faster than [N, K] at a few rows. Its row stride
     is `padded_stride` (the padding zeros)."""
     n, k = shape
     ld = padded_stride(n, like.element_size())
@@ -191,7 +191,7 @@ def _stacked(modules, buffers: _Buffers | None = None, key: str = "", name: str 
 
 # ---------------------------------------------------------------------------------------- the layout
 
-class _Layer:
+class LayerWeights:
     """One decoder layer's weights, as the fused step uses them.
 
     On the GPU the concatenated projections are copies. On the CPU they are stored K-major and the model's
@@ -233,7 +233,7 @@ class _Weights:
             if "_lmq_bindings" in vars(m):
                 m._lmq_bindings.clear()
         with torch.inference_mode(False), torch.no_grad():  # loads write into these tensors outside inference mode
-            self.layers = [_Layer(layer, buffers, f"layers.{i}.") for i, layer in enumerate(model.model.layers)]
+            self.layers = [LayerWeights(layer, buffers, f"layers.{i}.") for i, layer in enumerate(model.model.layers)]
             embed = model.model.embed_tokens
             self.embed = _share(embed)                      # [V, hidden]
             self.final_norm = _share(model.model.norm)
@@ -259,7 +259,7 @@ _WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def decoder_weights(model, prepared: dict[str, torch.Tensor] | None = None) -> _Weights:
     """The model's weights laid out for the fused step (once per model; on the CPU this re-points the model's
-    own Linear weights, see `_Layer`). They follow the model's `load_state_dict`; other writes to its weights
+    own Linear weights, see `LayerWeights`). They follow the model's `load_state_dict`; other writes to its weights
     reach the fused step where it shares the parameters' storage (everything but the concatenated copies:
     q/k/v and gate/up on a GPU, q/k/v biases, a tied LM head on the CPU). `prepared`: K-major buffers with
     the values the layout would copy into them (`weight_cache.py`'s promise), taken as they are."""
