@@ -57,7 +57,8 @@ def _import_engine():
 
 
 compat, fused = _import_engine()
-paged_view = importlib.import_module("lmq_backend.engine.kv_pool").paged_view
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from support.caches import paged_view  # noqa: E402
 FusedDecoder = fused.FusedDecoder
 
 SHAPES = {

@@ -5,7 +5,7 @@
 Linear that the file holds as Q4_1 takes the file's 4-bit weights exactly (w = d q + m per 32 weights, the
 file's bytes as they are) instead of quantizing the de-quantized float32 copy a second time; the rest
 (SmolLM2's LM head, tied to an 8-bit Q8_0 embedding in the file) is quantized int8. The file is read by
-`read_tensors` (header, tensor infos, a memory map: 0.03 s where gguf.GGUFReader took ~3 s building the
+`read_tensors` (header, tensor infos, a memory map: far faster than gguf.GGUFReader, which builds the
 tokenizer's metadata as objects).
 """
 from __future__ import annotations
@@ -35,19 +35,6 @@ def quantize_weights(model, kind: str, gguf_file: Path | None = None) -> None:
         quantize_model(model, "int8")  # what the file does not hold as Q4_1
     else:
         quantize_model(model, kind)
-
-
-def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 tensor's bytes [N, K/32 * 20] as (q uint8 [N, K] in 0..15, d [N, K/32], m [N, K/32]) float32:
-    w[n, 32 g + j] = d[n, g] q[n, 32 g + j] + m[n, g]. Nibble j < 16 is the low half of byte j, j >= 16 the
-    high half of byte j - 16 (ggml's block_q4_1)."""
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, Q4_1_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -87,8 +74,8 @@ def load_q4_1(model, gguf_file: Path) -> int:
 
 
 # ------------------------------------------------------------------------------- reading a GGUF file
-# The header, the metadata (skipped: the tokenizer's ~100K strings took gguf.GGUFReader ~5 s to build as
-# objects) and the tensor infos, then the tensors' bytes where they lie (a memory map). GGUF v2/v3, little-endian.
+# The header, the metadata (skipped: gguf.GGUFReader builds the tokenizer's ~100K strings as objects,
+# slowly) and the tensor infos, then the tensors' bytes where they lie (a memory map). GGUF v2/v3, little-endian.
 
 Q4_1 = 3                                     # ggml_type of Q4_1 (GGMLQuantizationType.Q4_1)
 _BLOCK = {Q4_1: (32, Q4_1_BLOCK_BYTES)}      # ggml_type -> (elements, bytes) a block, the types read here

@@ -30,8 +30,7 @@ Design (after SGLang's radix cache, written from scratch)
   unchanged).  ``U.lock = N.lock`` (every pin in N's subtree passes through
   U), ``U.pins = 0``, ``U.last_used = N.last_used``; N keeps its label and U
   gets ``""`` (token boundaries don't map onto the text).  Both halves are
-  fresh contiguous copies; the old tensor is dropped; ``bytes_in_use`` is
-  unchanged.
+  views of the node's slots; ``bytes_in_use`` is unchanged.
 * Eviction removes unpinned leaves in LRU order (a heap), which may turn their
   parents into candidates.  Evicted nodes are detached (``parent=None``,
   ``slots=None``), their slots freed; using one afterwards is an error.
@@ -41,6 +40,7 @@ Design (after SGLang's radix cache, written from scratch)
 
 Bytes are ``tokens * bytes_per_token`` (a token's K/V over every layer).
 The trie knows nothing about asyncio, models or queries.  Not thread-safe.
+The cache's API, and a request's lifecycle in it, are `prefix_cache.py`'s.
 """
 
 from __future__ import annotations
@@ -266,10 +266,6 @@ class PrefixTrie:
         parts = [n.slots for n in self.path(node)]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
-    def path_ids(self, node: TrieNode) -> tuple[int, ...]:
-        """The token ids from the root to the end of node."""
-        return tuple(t for n in self.path(node) for t in n.ids)
-
     def evictable_bytes(self) -> int:
         """Bytes of nodes with lock == 0 (each such node's whole subtree is unpinned, so all of it
         can be evicted leaf-first). O(1): kept up to date by pin and unpin."""
@@ -350,10 +346,6 @@ class PrefixTrie:
         if self.store is not None:  # real slots (a test's are any ints)
             every = np.concatenate(held) if held else np.empty(0, dtype=np.int32)
             assert len(np.unique(every)) == len(every), "two nodes hold one slot"
-
-    def node_slots(self) -> list[np.ndarray]:
-        """Every node's slots (for `KVStore.check`)."""
-        return [n.slots for n in self._iter_nodes()]  # type: ignore[misc]
 
     def dump(self) -> str:
         """Indented human-readable tree (debugging)."""

@@ -10,7 +10,7 @@ batch from its first column (the torch paths) reads zeros there, never stale mem
 [end, ahead) of every row already have slots (a decode step writes column `end`, and a GPU step run ahead
 writes `end + 1` before the host sees it).
 
-Geometry (as the old dense pool's, but in ints): free columns on the left (`headroom`) let a joining row
+Geometry: free columns on the left (`headroom`) let a joining row
 longer than the others in without a shift; `make_room` shifts or regrows the table; `remove_row` moves
 the last row's table row into the freed slot, so slots stay dense.
 """
@@ -22,8 +22,8 @@ import torch
 from ..cache.kv_store import ZERO_SLOT, KVStore
 
 # The table's columns are a multiple of this: its row stride and every row's address keep the alignment the
-# GPU kernels were compiled for (Triton compiles a kernel again, ~0.2-1.5 s, when an int32 stride stops being
-# a multiple of 16 or a pointer of 16 bytes).
+# GPU kernels were compiled for (Triton compiles a kernel again, which takes long, when an int32 stride stops
+# being a multiple of 16 or a pointer of 16 bytes).
 COLUMN_ALIGN = 16
 
 
@@ -52,7 +52,7 @@ class KVPool:
     def table(self, table: torch.Tensor) -> None:
         self._table = table
         self._np = table.numpy()      # the same memory: the host's row work indexes it (a numpy slice costs
-                                      # ~0.3 us, a torch one ~3)
+                                      # a tenth of a torch one)
 
     @property
     def data(self) -> torch.Tensor:
@@ -241,16 +241,3 @@ class KVPool:
     def _mark(self, r0: int, r1: int, c0: int, c1: int) -> None:
         if self.mirror is not None:
             self._dirty.append((r0, r1, c0, c1))
-
-
-def paged_view(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense batch cache `[L, 2, B, H_kv, S, D]` (unit last stride, rows a whole number of columns apart)
-    seen as a K/V store and page tables, for tests and benchmarks that fill K/V by row and column: returns
-    (kv [L, 2, N, H_kv, D], a strided view of `dense`, and table int32 [B, S] on its device) with
-    kv[:, :, table[b, s]] == dense[:, :, b, :, s]."""
-    L, two, B, H, S, D = dense.shape
-    s0, s1, sb, sh, ss, sd = dense.stride()
-    assert sd == 1 and sb % ss == 0
-    kv = dense.as_strided((L, two, (B - 1) * (sb // ss) + S, H, D), (s0, s1, ss, sh, 1))
-    table = torch.arange(B, dtype=torch.int32)[:, None] * (sb // ss) + torch.arange(S, dtype=torch.int32)[None]
-    return kv, table.to(dense.device)

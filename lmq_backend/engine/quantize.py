@@ -14,10 +14,10 @@ The int4 form is GGUF's Q4_1, so the default model's shipped weights load as the
 (`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
 calibration measured it faster than the alternative; more rows (long prefills) de-quantize the weight once
 into panels and multiply in lmq's float32 GEMM (`_panels_mm`) where calibration chose it; the alternative, or
-no C compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, where torch's
-passes took 1.2 s for the default model's 134M) and use torch's GEMM. torch's own weight-only
-kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were measured 20-40x slower than float32
-`torch.mm` on an AVX2 host (benchmarks/bench_quantized.py, RESULTS.md) and are not used. Each output of the C kernel
+no C compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, far faster than
+torch's passes) and use torch's GEMM. torch's own weight-only kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) measured many times slower than float32 `torch.mm` (benchmarks/bench_quantized.py)
+and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
 or alone, as in float32.
 """
@@ -104,10 +104,9 @@ class QuantizedLinear(nn.Module):
         """out (+)= a @ W^T with W de-quantized once into panels (`cpu.dequantize`: a reused buffer, one pass)
         and lmq's small-M GEMM over them (`cpu.small_m_mm(panels=)`, up to cpu.GEMM_MAX_ROWS rows a call, where
         calibration chose it for the class), a chunk torch's GEMM on the de-quantized weight where it did not.
-        False (nothing computed) where the panels cannot be made. At ~200 rows (8 chats' new turns) 2.4x faster
-        than torch's GEMM on the de-quantized weight on AVX-512, 1.1x on AVX2 (Zen 5; RESULTS.md, thirtieth
-        session); up to 64 rows the quantized kernel is faster (the panels' transposing copy costs ~0.7 ms a
-        layer of the default model)."""
+        False (nothing computed) where the panels cannot be made. At a few hundred rows (several chats' new
+        turns) faster than torch's GEMM on the de-quantized weight; up to 64 rows the quantized kernel is faster
+        (the panels' transposing copy costs more than it saves there)."""
         n, k = self.shape
         panels = _panel_buffer(n, k)
         if panels is None or not cpu.dequantize(self.qweight, self.scales, self.zeros, panels):
@@ -219,7 +218,3 @@ def _float_weight(module) -> torch.Tensor | None:
     if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:  # transformers' GPT-2 layer: x @ W + b
         return module.weight.t()
     return None
-
-
-def is_quantized(model) -> bool:
-    return any(isinstance(m, QuantizedLinear) for m in model.modules())

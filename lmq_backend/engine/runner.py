@@ -53,7 +53,7 @@ class ModelRunner:
         # Prefills of Llama-family models run the fused step's layer loop (`FusedDecoder.prefill`): on a GPU
         # the model's forward is host-bound (see bench_gpu_query.py); on the CPU the loop reads the K/V
         # through the page tables (the forward gathered every row's columns, every layer) and runs lmq's
-        # kernels where calibration chose them (W1 on two Zen 4 cores: 0.13 -> 0.06 s a call).
+        # kernels where calibration chose them.
         self.fused_prefill = fused if fused_prefill is None else fused_prefill
         if self.fused_prefill and not fused:
             raise ValueError("fused_prefill needs the fused decoder (a supported Llama-family model)")
@@ -88,10 +88,9 @@ class ModelRunner:
     def prefill_part(self) -> int | None:
         """The most new tokens of one prompt that a prefill step takes while rows decode (a longer prompt is
         prefilled in parts, the rows stepping between them), or None: the scheduler's `max_prefill_tokens`.
-        On a CPU 512: a 2,600-token prompt (the default model, 2 Zen 4 cores) stalled 4 decoding rows for 4.8 s
-        in one piece, 1.3 s in parts of 512, its own prefill 7-21% slower (BLAS's GEMMs are less efficient at
-        512 rows than at 2,600: `benchmarks/bench_long_prompt.py`); with no rows decoding it is prefilled in
-        one piece."""
+        On a CPU 512: a prompt of thousands of tokens in one piece stalls the decoding rows several times as long
+        as in parts of 512, at a small cost to its own prefill (BLAS's GEMMs are less efficient at 512 rows:
+        `benchmarks/bench_long_prompt.py`); with no rows decoding it is prefilled in one piece."""
         return 512 if self.device.type == "cpu" else None
 
     def new_store(self, budget_bytes: int) -> KVStore:
@@ -268,8 +267,7 @@ class ModelRunner:
             pool.set_row(slot, row.slots, len(row.ids))
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
-            # The fused step costs a fraction of the model's forward (Llama-1B on an H200: ~1 ms instead
-            # of ~10 ms of Python for the forward of one token).
+            # The fused step costs a fraction of the model's forward (mostly Python, for one token).
             tokens = [r.ids[0] for r in rows]
             return self._fused_decoder(pool).step_host(tokens, pool.start[: pool.rows], pool.end - 1).float(), slots
         if self.fused_prefill:
@@ -287,8 +285,8 @@ class ModelRunner:
             positions[i, width - m:] = torch.arange(row.cached, n)
             mask[i, longest - n:] = 1
         # Without padding (every row as long as the longest, new and cached parts alike) the forward needs
-        # no mask: plain causal attention, which lets transformers pick its fastest kernel (a 2k-token
-        # prefill of a 1B model on an H200: 13.3 ms instead of 17.9 ms with an all-ones mask).
+        # no mask: plain causal attention, which lets transformers pick its fastest kernel (faster than with
+        # an all-ones mask).
         padded = any(len(r.ids) != width for r in rows)
         ragged = padded or any(n != longest for n in lengths)
         cache = compat.pool_cache(pool, slice(slots[0], slots[-1] + 1), first, longest - width, width,

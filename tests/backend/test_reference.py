@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from support.caches import node_slots
 from support.models import (FAMILIES, LLAMA_FAMILY, SCRIPT, Script, differences, expected, generate, run_engine,
-                    standard_calls, token_log_probs)
+                            standard_calls, token_log_probs)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -190,4 +191,4 @@ async def test_prompts_prefilled_in_parts_equal_the_reference(zoo, family, cache
     kinds = "".join(s.kind[0] for s in steps)
     assert "pdp" in kinds  # rows decode between the parts of a prompt
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting
-    backend.store.check(backend.trie.node_slots(), [])
+    backend.store.check(node_slots(backend.trie), [])

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lmq_backend.cache.trie import PrefixTrie, TrieNode
 
 from test_trie import TOK, cat_path, enc
+from support.caches import path_ids
 
 
 class Harness:
@@ -41,7 +42,7 @@ class Harness:
         node, n = t.match(ids, limit)
         end = len(ids) if limit is None else min(limit, len(ids))
         assert node.depth == n <= end
-        assert t.path_ids(node) == tuple(ids[:n])
+        assert path_ids(t, node) == tuple(ids[:n])
         assert np.array_equal(cat_path(t, node), enc(ids[:n]))
         if n < end:
             assert ids[n] not in node.children, "match was not the longest"
@@ -65,7 +66,7 @@ class Harness:
         node = t.insert(parent, rest, enc(rest, n), label="x")
         if node is not None:
             assert node.depth == len(ids)
-            assert t.path_ids(node) == ids
+            assert path_ids(t, node) == ids
             assert np.array_equal(cat_path(t, node), enc(ids))
             if self.rng.random() < 0.5:
                 t.pin(node)
@@ -94,7 +95,7 @@ class Harness:
         t.pin(parent)
         node = t.insert(parent, rest, enc(rest, n))
         if node is not None:
-            assert t.path_ids(node) == full
+            assert path_ids(t, node) == full
             assert np.array_equal(cat_path(t, node), enc(full))
         t.unpin(parent)
 
@@ -117,7 +118,7 @@ class Harness:
         assert t.bytes_in_use <= t.budget_bytes
         for node, ids in self.pins:
             assert node is t.root or (node.parent is not None and node.slots is not None), "pinned node evicted"
-            assert t.path_ids(node) == ids
+            assert path_ids(t, node) == ids
             assert np.array_equal(cat_path(t, node), enc(ids))
 
     def finish(self):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lmq_backend as lmq
+from support.caches import node_slots
 
 SRC = '''
 "Shared instructions for every call. {x}[A]" where len(TOKENS(A)) < {n}
@@ -207,7 +208,7 @@ async def test_out_of_memory_prefills_a_long_prompt_in_smaller_parts(make_backen
     done = [n for n in tried if n <= 48]  # the parts that ran: the whole prompt, none twice
     assert tried[0] > 100 and sum(done) == tried[0] and len(done) >= 3
     assert backend.scheduler.pool.rows == 0
-    backend.store.check(backend.trie.node_slots(), [])
+    backend.store.check(node_slots(backend.trie), [])
 
 
 async def test_a_query_cancelled_between_parts_frees_what_its_parts_hold(make_backend):
@@ -225,7 +226,7 @@ async def test_a_query_cancelled_between_parts_frees_what_its_parts_hold(make_ba
     for _ in range(3):
         await asyncio.sleep(0)
     assert not backend.scheduler.waiting and backend.scheduler.pool.rows == 0
-    backend.store.check(backend.trie.node_slots(), [])
+    backend.store.check(node_slots(backend.trie), [])
     expected = await reference(make_backend, "llama", [1])
     assert [(await lmq.Query(SRC, model=backend).run(inputs(1))).variables] == expected
 

@@ -16,8 +16,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lmq_backend.engine import compat
-from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.fused import FusedDecoder, bucket_for, supports
+from support.caches import paged_view
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

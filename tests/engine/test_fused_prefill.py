@@ -21,8 +21,8 @@ from support.hole_states import Record
 
 import lmq_backend as lmq
 from lmq_backend.engine import compat
-from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.fused import FusedDecoder
+from support.caches import paged_view
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

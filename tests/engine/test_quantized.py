@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmq_backend.backend.gguf_weights import q4_1_blocks
-from lmq_backend.engine.quantize import QuantizedLinear, is_quantized, quantize_model
+from lmq_backend.backend.gguf_weights import Q4_1_BLOCK_BYTES
+from lmq_backend.engine.quantize import QuantizedLinear, quantize_model
 from lmq_kernels import cpu
 
 from support.models import SCRIPT, build, differences, run_engine, standard_calls
@@ -72,6 +72,23 @@ def test_stacked_modules_compute_side_by_side(kind, kernels):
         parts.append(torch.empty(3, m.out_features))
         m.mm(x, parts[-1])
     assert torch.equal(out, torch.cat(parts, 1))
+
+
+def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's bytes [N, K/32 * 20] as (q uint8 [N, K] in 0..15, d [N, K/32], m [N, K/32]) float32:
+    w[n, 32 g + j] = d[n, g] q[n, 32 g + j] + m[n, g]. Nibble j < 16 is the low half of byte j, j >= 16 the
+    high half of byte j - 16 (ggml's block_q4_1)."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def is_quantized(model) -> bool:
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def test_q4_1_blocks_read_ggmls_layout():

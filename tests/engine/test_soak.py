@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import lmq_backend as lmq
 from lmq_backend.backend.hf import HFBackend
 from lmq_backend.cache.kv_store import token_bytes
+from support.caches import node_slots
 
 SRC = '''
 "Soak test: shared instructions that every call repeats, long enough to be worth caching in the trie."
@@ -49,7 +50,7 @@ def check(backend: HFBackend) -> None:
     pool = backend.scheduler.pool
     backend.trie.check()
     held = [w.row.slots for w in backend.scheduler.waiting if w.started]  # long prompts' parts done
-    backend.store.check(backend.trie.node_slots(), [pool.row_slots(s) for s in range(pool.rows)] + held)
+    backend.store.check(node_slots(backend.trie), [pool.row_slots(s) for s in range(pool.rows)] + held)
 
 
 def checking(backend: HFBackend, every: int) -> list:
@@ -128,7 +129,7 @@ async def test_soak_2000_queries_tight_kv_budget(tokenizer, model, parts):
     # nothing left behind: no pins, no rows, every slot free or the trie's
     check(backend)
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
-    trie_slots = sum(len(s) for s in backend.trie.node_slots())
+    trie_slots = sum(len(s) for s in node_slots(backend.trie))
     assert backend.store.used_slots == trie_slots
 
 

@@ -3,9 +3,8 @@ they are at the next load (no copy, no transpose, no fresh memory to fault in).
 
 The fused step's CPU layout (`weights.py`) keeps every projection K-major: q/k/v and gate/up stacked, o and
 down alone, and a K-major copy of a tied LM head. Built from the row-major weights that `from_pretrained`
-loads, that is ~420 copies and 540 MB of fresh memory for SmolLM2-135M in float32 (0.5 CPU s alone on a
-quiet host, 2-2.5 s when another process holds the cores: every copy is a parallel region whose second
-thread waits for a core). `laid_out(model, folder)` takes the buffers from `<cache_dir>/weights/<entry>`
+loads, that is hundreds of copies and a fresh copy of every weight (slower still when another process holds
+the cores: every copy is a parallel region whose second thread waits for a core). `laid_out(model, folder)` takes the buffers from `<cache_dir>/weights/<entry>`
 (`prepared`, see `decoder_weights`) and writes the entry when it is missing or stale. An entry changes no
 value: the layout's buffers hold copies of the folder's weights. Its file: a JSON header (key, folder, each
 buffer's dtype, shape, offset and row stride), then each buffer at a page-aligned offset, mapped as it is.

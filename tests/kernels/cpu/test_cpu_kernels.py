@@ -26,7 +26,7 @@ ANY_ROWS = (1, 64)
 
 def attend(q, k, v, starts, out, scale):
     """`cpu.attention` over dense K/V [B, Hkv, S, D] (any strides), seen as one layer of the paged store and
-    page tables (column s of row b is slot b * (stride_b / stride_s) + s, as `kv_pool.paged_view`)."""
+    page tables (column s of row b is slot b * (stride_b / stride_s) + s, as `support.caches.paged_view`)."""
     b, h, s, d = k.shape
 
     def store(x):
