@@ -1,4 +1,4 @@
-"""lmq as a model backend for LMQL 0.7.3 (issues #7, #16; LMQL issue #263): LMQL's queries, lmq's trie.
+"""lmq as a model backend for LMQL 0.7.3 (LMQL issue #263 asks for KV-cache reuse): LMQL's queries, lmq's trie.
 
     import lmql
     m = lmql.model("local:lmq:default")       # with lmq installed, nothing else to import or pass
@@ -96,8 +96,8 @@ def tokenizer_dir(spec: str) -> str:
 
 
 def model(spec: str = "default", **kwargs):
-    """`lmql.model("local:lmq:SPEC", **kwargs)` (kept from before the one-line switch: it passes LMQL the
-    tokenizer folder of SPEC's backend explicitly)."""
+    """`lmql.model("local:lmq:SPEC", **kwargs)` with LMQL given the tokenizer folder of SPEC's backend explicitly
+    (what the model string alone does when the hook is installed)."""
     import lmql
 
     kwargs.setdefault("tokenizer", tokenizer_dir(spec))
