@@ -1,4 +1,4 @@
-"""Batching benchmark (issue: async batched queries). Same workloads as bench_prefix_cache.py, concurrent:
+"""Batching benchmark. Same workloads as bench_prefix_cache.py, concurrent:
 
   W1: 20 concurrent few-shot classification calls (asyncio.gather): amortized time per call, against the
       same 20 calls one after another through lmq, and HF `generate` on one left-padded batch of the 20 prompts.

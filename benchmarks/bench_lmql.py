@@ -1,4 +1,4 @@
-"""LMQL plugin benchmark (issue #7): the W1 few-shot query written in LMQL, run by LMQL 0.7.3 on
+"""LMQL plugin benchmark: the W1 few-shot query written in LMQL, run by LMQL 0.7.3 on
 
   lmql-hf   LMQL's own transformers backend, `lmql.model("local:<dir>")`: the whole prompt every call
   lmq       `lmql.model("local:lmq:default")` (lmq_backend.lmql.plugin): the prefix trie of KV caches

@@ -41,7 +41,7 @@ OPTIONS = (" positive", " negative", " neutral")
 def run_blocks(indices: list[int]) -> tuple[list[str], str]:
     """Run README Python blocks in order in one fresh interpreter (one namespace, as __main__): what each
     printed, and the stderr of the whole run."""
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "readme_blocks.py"), str(ROOT / "README.md"),
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "support" / "readme_blocks.py"), str(ROOT / "README.md"),
                            *map(str, indices), "--prelude", json.dumps(PRELUDE)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]

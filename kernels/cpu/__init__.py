@@ -59,10 +59,9 @@ __all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "a
 log = logging.getLogger("lmq_kernels.cpu")
 
 # The rows the float32 GEMM takes (calibration then decides per row bucket whether it or BLAS runs them): up
-# to 1,024. Over panel-major weights it keeps up with MKL's blocked GEMM to ~1,000 rows on SmolLM2's shapes
-# (two Zen 4 cores: 25 rows 163 vs 81 GFLOP/s, 208 rows 187-195 vs 172-176, 1,100 rows level, 2,048 rows
-# 157-180 vs 192-202), and a prefill's rows then get the decode step's FMA chains (benchmarks/RESULTS.md,
-# twenty-first session). K-major weights without a panel copy lost to BLAS above 64 rows: calibration picks.
+# to 1,024. Over panel-major weights it keeps up with a blocked BLAS GEMM to about that many rows on
+# SmolLM2's shapes, and a prefill's rows then get the decode step's FMA chains; over K-major weights BLAS is
+# the faster at many rows: calibration picks.
 MIN_ROWS, GEMM_MAX_ROWS = 1, 1024
 
 _lock = threading.Lock()

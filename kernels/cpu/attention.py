@@ -8,7 +8,7 @@ from there), on the paged K/V store read through page tables:
 Both take float32 operands, k and v [slots, Hkv, D] (one layer of the store, any strides but the last),
 int32 page tables [rows, columns] (column -> slot, unit column stride), and return False (nothing
 computed) where they cannot run the operands or calibration chose torch's form (gather the rows' columns,
-then torch's fused attention): see cpu.py.
+then torch's fused attention): see `lmq_kernels.cpu`.
 """
 from __future__ import annotations
 
@@ -97,5 +97,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
     return True
 
 
-# last: cpu.py imports this module at its end (either may be imported first)
+# last: lmq_kernels.cpu imports this module at its end (either may be imported first)
 from lmq_kernels import cpu  # noqa: E402

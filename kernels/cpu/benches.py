@@ -1,7 +1,7 @@
 """What the calibration (calibration.py) times for each op: lmq's kernel and torch's counterpart (what
 lmq's engine runs when the kernel declines) on the same representative operands.
 
-Each function takes `lmq`, the op's public function with the calibration bypassed (cpu.py passes it), and
+Each function takes `lmq`, the op's public function with the calibration bypassed (`lmq_kernels.cpu` passes it), and
 the class's representative sizes, and returns (run_lmq, run_torch), each running its side once. Weights and
 K/V come from a ring of copies larger than the last-level cache (RING_BYTES): in a decode step every layer
 reads its own weights and K/V cold from memory, and an operand that stays in cache would favour the kernel

@@ -39,10 +39,10 @@ MARGIN = 0.97            # lmq's best time must be below MARGIN x torch's
 MIN_ROUNDS, MAX_ROUNDS, STABLE = 5, 60, 3
 TARGET_S, CAP_S = 0.05, 0.6   # stop after MIN_ROUNDS once TARGET_S is spent (and STABLE); never past CAP_S
 # Calls of at least DECISIVE_S whose best times differ DECISIVE-fold after two rounds settle the choice there:
-# no neighbour's stall makes one side's best twice as fast (a 2,048-token prefill attention: 0.3 s instead of
-# 0.8 s at a machine's first query). Shorter calls run the usual rounds: a neighbour that takes a core stalls
-# a two-thread call for a scheduler tick (several ms), and can do so in both of one side's first rounds (a
-# 256-row GEMM on a busy Zen 5: lmq 5.35 ms against torch 1.28, where lmq's takes ~1.1: torch was kept)
+# no neighbour's stall makes one side's best twice as fast (it saves most of the rounds of a long call, such
+# as a long prefill's attention, at a machine's first query). Shorter calls run the usual rounds: a neighbour
+# that takes a core stalls a two-thread call for a scheduler tick, and can do so in both of one side's first
+# rounds: two rounds could keep the slower side there
 DECISIVE, DECISIVE_S = 2.0, 0.02
 
 Runner = Callable[[], object]

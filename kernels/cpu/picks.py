@@ -6,7 +6,7 @@
 The same pick as torch's `torch.where(mask, logits, -inf).argmax(-1)` (the first maximal logit among the
 allowed tokens; 0 where none is allowed), in one pass over a row instead of a copy written and read again, and
 each row's mask read where it lies (no [R, V] stack of them). False (nothing computed) where it cannot run the
-operands or calibration chose torch's form: see cpu.py.
+operands or calibration chose torch's form: see `lmq_kernels.cpu`.
 """
 from __future__ import annotations
 
@@ -39,5 +39,5 @@ def masked_argmax(logits: torch.Tensor, masks: list[torch.Tensor | None] | None,
     return True
 
 
-# last: cpu.py imports this module at its end (either may be imported first)
+# last: lmq_kernels.cpu imports this module at its end (either may be imported first)
 from lmq_kernels import cpu  # noqa: E402

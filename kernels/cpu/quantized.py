@@ -8,7 +8,7 @@ them from there), on the layouts of qgemm.c:
 int8: q int8 [N, K] with scale [N, K/32] (zero None); int4: q uint8 [N, K/2] with scale (d) and zero (m)
 [N, K/32] (GGUF's Q4_1 order). They return False (nothing computed) where they cannot run the operands or, for
 `quantized_mm`, where calibration chose what runs otherwise (the weight de-quantized, then torch's GEMM): see
-cpu.py.
+`lmq_kernels.cpu`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
                  out: torch.Tensor, accumulate: bool = False) -> bool:
     """out (+)= x @ W^T for a weight-only quantized W [N, K]; x [M, K] and out [M, N] float32 with contiguous
     rows, M <= MAX_ROWS. Calibrated against what runs otherwise: the weight de-quantized (`dequantize`) and
-    torch's GEMM (torch's own weight-only kernels measured 20-40x slower than that on AVX2:
+    torch's GEMM (torch's own weight-only kernels are many times slower than that on AVX2:
     benchmarks/bench_quantized.py)."""
     m, k = x.shape
     if not MIN_ROWS <= m <= MAX_ROWS:
@@ -55,8 +55,8 @@ _checked: dict[int, tuple] = {}   # id(q) -> (weakref to q, scale, zero, k, ok);
 
 
 def _weight_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
-    """`layout_ok`, remembered per weight tensor (a decode step multiplies ~120 fixed weights: their checks
-    took ~5 of the ~20 us of Python a call)."""
+    """`layout_ok`, remembered per weight tensor (a decode step multiplies ~120 fixed weights: checking them
+    every call would be a sizeable share of a call's Python)."""
     seen = _checked.get(id(q))
     if seen is not None and seen[0]() is q and seen[1] is scale and seen[2] is zero and seen[3] == k:
         return seen[4]
@@ -102,5 +102,5 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     return True
 
 
-# last: cpu.py imports this module at its end (either may be imported first)
+# last: lmq_kernels.cpu imports this module at its end (either may be imported first)
 from lmq_kernels import cpu  # noqa: E402

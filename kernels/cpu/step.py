@@ -7,7 +7,7 @@ Each layer is described by a `Layer` (weights given as `Weight`s: float32 K-majo
 qgemm.c's layout). The C side runs the ops of the per-op step (lmq_kernels.cpu's small_m_mm /
 quantized_mm, rope_append, attention, rmsnorm, silu_mul) with their own arithmetic, in one OpenMP parallel
 region: the same bits as those kernels, without ~9 calls from Python a layer. Whether it runs or the per-op
-path does is the engine's choice by measurement (lmq_backend/engine/fused/step.py, through
+path does is the engine's choice by measurement (lmq_backend/engine/fused/cpu_step.py, through
 `cpu.choose`).
 """
 from __future__ import annotations
@@ -22,9 +22,7 @@ from lmq_kernels import cpu
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
 # the rows a step takes: the small-M GEMM's range (cpu.GEMM_MAX_ROWS); the engine's calibration chooses between
-# this call and the per-op loop per row bucket. (It was 16: steps of 17-256 rows, concurrent calls, ran ~9
-# calls from Python a layer; in C 32 rows 47.5 -> 39.3 ms a step, 64 rows 81 -> 75, 200 rows 214 -> 196, Zen 5,
-# benchmarks/RESULTS.md, twenty-second session.)
+# this call and the per-op loop per row bucket. Nothing in the C side depends on the row count.
 MAX_ROWS = cpu.GEMM_MAX_ROWS
 W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
 PANEL = 64      # columns of a panel of float32 weights (a multiple of every target's vector; gemm.c)
