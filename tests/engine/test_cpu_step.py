@@ -16,7 +16,7 @@ from lmq_backend.engine.quantize import quantize_model
 from lmq_kernels import cpu
 from lmq_kernels.cpu.calibration import Calibration
 from support.cpu_targets import TARGETS
-from test_fused_decode import assert_same_forwards, prefill_then_steps
+from support.fused import assert_same_forwards, prefill_then_steps
 
 
 def model_of(arch: str, seed: int = 0):
@@ -83,7 +83,7 @@ def test_fused_layers_give_the_per_op_steps_bits(arch, target, panels, monkeypat
 
 @pytest.mark.parametrize("arch", ["llama", "int4"])
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(arch, monkeypatch, count_fused):
-    from test_fused_decode import make_pool
+    from support.fused import make_pool
     from lmq_backend.engine.fused import FusedDecoder
 
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
@@ -119,7 +119,7 @@ def test_the_calibration_measures_both_paths_and_keeps_the_steps_result(monkeypa
 
 def test_declines_what_it_does_not_take(monkeypatch):
     """Head dims the C attention is not built for, more rows than the GEMMs take, LMQ_CPU_KERNELS=0."""
-    from test_fused_decode import tiny_llama
+    from support.fused import tiny_llama
 
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
     calls = []

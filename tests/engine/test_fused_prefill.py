@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from test_fused_decode import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2, tiny_qwen3
+from support.fused import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2, tiny_qwen3
 from support.hole_states import Record
 
 import lmq_backend as lmq

@@ -318,7 +318,7 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
     """The fused CPU step and prefill with lmq's C kernels (RMSNorm, RoPE + K/V append with q/k norms and left
     padding, SiLU-mul, attention, GEMM) against the same step with torch ops (LMQ_CPU_KERNELS=0): logits and
     every K/V written."""
-    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
+    from support.fused import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=8) if arch == "llama" else tiny_qwen3(seed=8)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")      # the C kernels wherever they take the operands

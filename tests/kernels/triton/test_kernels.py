@@ -364,7 +364,7 @@ def test_fused_step_and_prefill_kernels_match_torch_ops(arch, in_attention):
     a row with left padding, SiLU-mul, decode attention, which rotates and appends a step's new token itself
     or not) against the ops that serve the CPU (C or torch): a prefill of ragged rows, then decode steps, in
     float32."""
-    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
+    from support.fused import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=7) if arch == "llama" else tiny_qwen3(seed=7)
 
