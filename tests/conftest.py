@@ -1,11 +1,17 @@
 """Shared fixtures: the embedded default model, and tiny random-weight models on its tokenizer."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from transformers import AutoTokenizer
 
 from lmq_backend.backend.default_model import default_model_dir
 from support.tiny import MODELS
+
+# No disk tier unless a test names its folder: tests must not read K/V files that earlier tests (or runs) wrote.
+# Set here, so `lmq` processes that tests start inherit it.
+os.environ["LMQ_DISK_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

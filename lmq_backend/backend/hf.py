@@ -5,19 +5,27 @@ the rest and inserts what it computed; a sequence pins the trie node that covers
 is released. K/V live in one paged store (`cache/kv_store.py`): the trie's nodes and the running rows hold
 slots of it, and a hit or an insert moves slot numbers, never K/V. `cache_budget` bounds what the trie
 keeps (0 turns it off: every prefill computes the whole prompt, the exact reference behaviour);
-`kv_budget` bounds the whole store (default: sized from free memory).
+`kv_budget` bounds the whole store (default: sized from free memory). Below the trie, the cache tiers
+(`cache/tiers.py`): `host_cache` bounds host memory that evicted prefixes move to, `disk_cache` names the folder
+that long prefixes are written to for later processes (`disk_budget` bounds it).
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import gc
+import time
 import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..cache.disk_tier import resolve_folder
+from ..cache.fingerprint import describe_device, folder_fingerprint, state_fingerprint
+from ..cache.kv_store import LAYOUT_VERSION
 from ..cache.stats import CacheStats, TemplateStats
+from ..cache.tiers import build_tiers
 from ..cache.trie import PrefixTrie, TrieNode
 from ..engine.compat import PRETRAINED
 from ..engine.quantize import QUANTIZED_DTYPES
@@ -33,6 +41,8 @@ from .hole_loop import HoleLoop
 from .proposals import Proposals
 from .protocol import Backend, NextTokens, Sequence
 from ..text.vocab_cache import vocab_index
+
+HOST_CACHE_ON_GPU = "4GB"  # `host_cache="auto"`: a GPU backend's host tier; a CPU backend has none (`cache/host_tier.py`)
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if str(dtype) in QUANTIZED_DTYPES:  # weight-only quantized: loaded in float32, then quantized
@@ -73,11 +83,16 @@ class HFBackend(Backend):
 
     `path` may be "default" for the embedded SmolLM2-135M-Instruct. `dtype` "int8" or "int4": weight-only
     quantized on the CPU (`engine/quantize.py`; the default model's "int4" is its shipped Q4_1 file). Use
-    `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not)."""
+    `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not).
+
+    Cache tiers: `host_cache` ("auto": 4GB on a GPU, none on the CPU, whose K/V store is host memory already;
+    or bytes, 0 for none); `disk_cache` ("default": `lmq cache ls` shows the folder, $LMQ_DISK_CACHE=off turns it
+    off; a folder; None for none) within `disk_budget`, shared by every process of the same model."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
                  cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 256,
-                 kv_budget: int | str | None = None):
+                 kv_budget: int | str | None = None, host_cache: int | str = "auto",
+                 disk_cache: str | Path | bool | None = "default", disk_budget: int | str = "10GB"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf_file = None
@@ -97,18 +112,24 @@ class HFBackend(Backend):
             from .gguf_weights import quantize_weights
 
             quantize_weights(model, str(dtype), gguf_file)
+        tiers = (host_cache, disk_cache, disk_budget, lambda: folder_fingerprint(Path(path)),
+                 str(dtype) if str(dtype) in QUANTIZED_DTYPES else None)
         self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget,
-                    weights_folder=Path(path))
+                    weights_folder=Path(path), tiers=tiers)
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
-                   max_batch: int = 256, kv_budget: int | str | None = None) -> "HFBackend":
+                   max_batch: int = 256, kv_budget: int | str | None = None, host_cache: int | str = "auto",
+                   disk_cache: str | Path | bool | None = None, disk_budget: int | str = "10GB") -> "HFBackend":
+        """A backend over a model object. Its disk tier is off unless `disk_cache` is given: weights in memory
+        may change in place, which the fingerprint (a sample of them) cannot always see."""
         backend = cls.__new__(cls)
-        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
+        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget,
+                       tiers=(host_cache, disk_cache, disk_budget, lambda: state_fingerprint(model), None))
         return backend
 
     def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None,
-               weights_folder: Path | None = None) -> None:
+               weights_folder: Path | None = None, tiers: tuple = ("auto", None, 0, None, None)) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
@@ -120,6 +141,7 @@ class HFBackend(Backend):
         trie, per_token = weakref.proxy(self.trie), self.store.bytes_per_token
         self.store.reclaim = lambda n: trie.evict(n * per_token)
         self.store.evictable = lambda: trie.evictable_bytes() // per_token
+        self.tiers = self._tiers(*tiers)  # cache tiers (cache/tiers.py)
         self.scheduler = Scheduler(self.runner, self.store)
         self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
@@ -161,7 +183,7 @@ class HFBackend(Backend):
 
     async def generate(self, seq: Sequence, state, sampler: Sampler) -> str:
         hole = HoleLoop(self, seq, state, sampler)
-        logits, hole.row = await self.scheduler.prefill(_Prefill(self, seq, draw=hole.draw))
+        logits, hole.row = await self.scheduler.prefill(await self._staged(_Prefill(self, seq, draw=hole.draw)))
         try:
             step = hole.start(logits)
             while step is not None:  # the scheduler runs the hole's steps (`HoleLoop.feed`) until it is done
@@ -184,7 +206,7 @@ class HFBackend(Backend):
         return value
 
     async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
-        logits, row = await self.scheduler.prefill(_Prefill(self, seq))
+        logits, row = await self.scheduler.prefill(await self._staged(_Prefill(self, seq)))
         try:
             prefix = self.scheduler.pool.segment_kv(row.slot, 0, len(seq.ids))
             return self.runner.score(prefix, logits, continuations)
@@ -209,7 +231,8 @@ class HFBackend(Backend):
         # a row only for this prefill (its new tokens go to the trie): a beam never holds a row while it
         # waits for the other beams' choices, so the batch's decode steps never wait for it; the step takes
         # the choices of all the beams it prefills at once
-        _, row = await self.scheduler.prefill(_Prefill(self, seq, tokens, store_all=True, choices=ask))
+        _, row = await self.scheduler.prefill(await self._staged(_Prefill(self, seq, tokens, store_all=True,
+                                                                           choices=ask)))
         self.scheduler.release(row)
         return NextTokens(*row.chosen)
 
@@ -235,6 +258,8 @@ class HFBackend(Backend):
         if scheduler is None or scheduler.closed:  # (`_setup` failed part way, or closed already)
             return
         scheduler.close()
+        if self.tiers is not None:  # cache tiers: the files being written are finished
+            self.tiers.close()
         self.runner.close()
         self.store.close()
 
@@ -250,6 +275,7 @@ class HFBackend(Backend):
         self._totals = TemplateStats()
         self._templates: dict[str, TemplateStats] = {}
         self._evictions_at_reset = self.trie.evictions
+        self._tiers_at_reset = self.tiers.counts() if self.tiers is not None else {}
 
     def record_call(self, template: str, seconds: float) -> None:
         t = self._template(template)
@@ -264,6 +290,7 @@ class HFBackend(Backend):
             tokens_reused=t.tokens_reused, tokens_prefilled=t.tokens_prefilled,
             tokens_decoded=t.tokens_decoded, evictions=self.trie.evictions - self._evictions_at_reset,
             bytes_in_use=self.trie.bytes_in_use, nodes=len(self.trie), pinned_nodes=self.trie.pinned_nodes(),
+            **(self.tiers.counts(since=self._tiers_at_reset) if self.tiers is not None else {}),
             per_template={k: TemplateStats(**{f: getattr(v, f) for f in TemplateStats.__slots__})
                           for k, v in self._templates.items()},
         )
@@ -334,6 +361,35 @@ class HFBackend(Backend):
         child = self.trie.insert(parent, ids, self.scheduler.pool.segment(row.slot, start, start + len(ids)))
         if child is not None:
             self._pin(seq, child)
+            if self.tiers is not None:  # cache tiers: a long new node is written to disk
+                self.tiers.inserted(self.trie, child)
+
+    # ----- cache tiers (cache/tiers.py) ------------------------------------------------------------
+
+    def _tiers(self, host_cache, disk_cache, disk_budget, fingerprint, weights_dtype):
+        """The tiers under the trie (None: none, or the trie is off)."""
+        if not self.trie.enabled:
+            return None
+        device = self.runner.device
+        if host_cache == "auto":
+            host_cache = HOST_CACHE_ON_GPU if device.type == "cuda" else 0
+        folder = resolve_folder(disk_cache)
+        tiers = build_tiers(self.store, parse_bytes(host_cache, "host_cache"), folder,
+                            parse_bytes(disk_budget, "disk_budget"), fingerprint,
+                            weights_dtype or str(self.store.dtype).removeprefix("torch."), describe_device(device),
+                            LAYOUT_VERSION, self.name)
+        if tiers is not None:
+            self.trie.on_evict = tiers.evicted
+        return tiers
+
+    async def _staged(self, prefill: "_Prefill") -> "_Prefill":
+        """The prefill, with the disk tier's files that continue its device and host matches read (off the
+        event loop: the batch runs meanwhile) for `prepare` to load."""
+        tiers, limit = self.tiers, len(prefill.ids) - 1
+        start = None if tiers is None else tiers.stage_from(self.trie, prefill.ids, limit)
+        if start is not None:
+            prefill.staged = await asyncio.to_thread(tiers.stage, prefill.ids, start, limit)
+        return prefill
 
 
 class _Prefill:
@@ -354,11 +410,17 @@ class _Prefill:
         self.backend, self.seq, self.ids, self.draw, self.choices = backend, seq, ids, draw, choices
         self.node: TrieNode | None = None
         self.cached = 0
+        self.staged = []      # cache tiers: the disk tier's segments read for this prefill (`HFBackend._staged`)
+        self.prepared = 0.0   # when `prepare` looked its prefix up
 
     def prepare(self) -> PrefillRow:
-        trie = self.backend.trie
+        b, trie = self.backend, self.backend.trie
         self.node, self.cached = trie.match(self.ids, limit=len(self.ids) - 1)
-        self.backend._pin(self.seq, self.node)
+        if b.tiers is not None:  # cache tiers: the match goes on in host memory and the staged files
+            self.node, self.cached = b.tiers.load(trie, self.node, self.ids, self.cached, len(self.ids) - 1,
+                                                  self.staged)
+            self.prepared = time.perf_counter()
+        b._pin(self.seq, self.node)
         return PrefillRow(trie.path_slots(self.node), self.cached, self.ids[self.cached:])
 
     def release(self) -> bool:
@@ -371,5 +433,7 @@ class _Prefill:
         b = self.backend
         for t in (b._totals, b._template(self.seq.template)):
             t.record_prefill(len(self.ids), self.cached)
+        if b.tiers is not None:  # cache tiers: the prefill's speed (`CacheTiers.worth`)
+            b.tiers.observe_prefill(len(self.ids) - self.cached, time.perf_counter() - self.prepared)
         if self.cached < self.prompt_len:
             b._insert(self.seq, self.node, self.ids[self.cached:self.prompt_len], row, self.cached)

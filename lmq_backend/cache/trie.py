@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -91,6 +91,8 @@ class PrefixTrie:
         self.evicted_tokens = 0
         self._n_nodes = 0
         self._clock = 0
+        # cache tiers (cache/tiers.py): called with each leaf evict() drops and its prefix's ids, before its slots go
+        self.on_evict: Callable[[TrieNode, tuple[int, ...]], None] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -292,6 +294,8 @@ class PrefixTrie:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None and not leaf.children and leaf.lock == 0
+            if self.on_evict is not None:  # cache tiers: the leaf's K/V moves down a tier
+                self.on_evict(leaf, self.path_ids(leaf))
             freed += leaf.nbytes
             self.bytes_in_use -= leaf.nbytes
             self.evictions += 1

@@ -1,0 +1,101 @@
+"""`HostTier`: segments of evicted trie nodes in host memory, under a byte budget, least recently used first out.
+
+On a GPU machine the segments' K/V live in pinned memory (they come down and go back up with asynchronous
+copies: `cache/tiers.py`). On a CPU backend the K/V store is host memory already, so a host tier there only
+adds a second copy of what a larger `cache_budget` would keep in place: `HFBackend` leaves it off on the CPU
+unless `host_cache=` is given (then it works the same, in plain memory).
+
+Lookup: segments are indexed by (start, first token), so a sequence whose device match ends at `start`
+finds its candidates with one dict lookup and checks them exactly (`Segment.continues`). The tier knows
+nothing of the trie, the store or the device. Not thread-safe (the backend's event loop thread uses it).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .segment import Segment
+
+
+class HostTier:
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError("host tier budget must be >= 0")
+        self.budget_bytes = int(budget_bytes)
+        self.bytes_in_use = 0
+        self._lru: OrderedDict[tuple[int, str], Segment] = OrderedDict()   # oldest first
+        self._by_head: dict[tuple[int, int], list[Segment]] = {}           # (start, first token) -> segments
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, name: tuple[int, str]) -> bool:
+        """`(start, key)`: is that segment here?"""
+        return name in self._lru
+
+    def touch(self, name: tuple[int, str]) -> bool:
+        """Mark the segment `(start, key)` used; False if it is not here."""
+        if name not in self._lru:
+            return False
+        self._lru.move_to_end(name)
+        return True
+
+    def put(self, seg: Segment) -> list[Segment]:
+        """Keep `seg` (if it fits the budget at all), dropping the least recently used segments to make room;
+        returns the segments that left (`seg` itself when it is larger than the budget), for a lower tier.
+        A segment held already is only touched."""
+        name = (seg.start, seg.key)
+        if name in self._lru:
+            self._lru.move_to_end(name)
+            return []
+        if seg.nbytes > self.budget_bytes:
+            return [seg]
+        dropped = []
+        while self.bytes_in_use + seg.nbytes > self.budget_bytes:
+            dropped.append(self._drop(next(iter(self._lru))))
+        self._lru[name] = seg
+        self._by_head.setdefault((seg.start, int(seg.ids[seg.start])), []).append(seg)
+        self.bytes_in_use += seg.nbytes
+        return dropped
+
+    def find(self, ids: list[int], ids32: np.ndarray | None, start: int, limit: int) -> tuple[Segment | None, int]:
+        """The segment that continues `ids` furthest at `start` (no further than `limit`) and how many tokens
+        of it do; touches it. `ids32`: the same ids as int32 (built here when None and needed)."""
+        if start >= limit:
+            return None, 0
+        candidates = self._by_head.get((start, ids[start]))
+        if not candidates:
+            return None, 0
+        if ids32 is None:
+            ids32 = np.asarray(ids, dtype=np.int32)
+        best, most = None, 0
+        for seg in candidates:
+            k = seg.continues(ids32, limit)
+            if k > most:
+                best, most = seg, k
+        if best is not None:
+            self._lru.move_to_end((best.start, best.key))
+        return best, most
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._by_head.clear()
+        self.bytes_in_use = 0
+
+    def check(self) -> None:
+        """Assert the bookkeeping (for tests)."""
+        assert self.bytes_in_use == sum(s.nbytes for s in self._lru.values()) <= self.budget_bytes
+        indexed = [s for segs in self._by_head.values() for s in segs]
+        assert len(indexed) == len(self._lru) and all(self._lru[(s.start, s.key)] is s for s in indexed)
+
+    def _drop(self, name: tuple[int, str]) -> Segment:
+        seg = self._lru.pop(name)
+        head = (seg.start, int(seg.ids[seg.start]))
+        rest = [s for s in self._by_head[head] if s is not seg]
+        if rest:
+            self._by_head[head] = rest
+        else:
+            del self._by_head[head]
+        self.bytes_in_use -= seg.nbytes
+        return seg
