@@ -60,6 +60,7 @@ MAGIC, END_MAGIC = b"LMQKVSEG", b"LMQKVEND"
 BLOCK = 4096
 ALIGN = 64
 TRAILER = struct.Struct("<8sIIQQ")
+PENDING_BYTES = 1 << 29   # files queued beyond this are not written (a cache may drop what it cannot keep up with)
 STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a process that died while writing
 DISK_ENV = "LMQ_DISK_CACHE"
 OFF = ("", "0", "off", "none", "false", "no")
@@ -168,6 +169,7 @@ class DiskTier:
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
         self._pending: set[tuple[str, str]] = set()
+        self._pending_bytes = 0
         # start folder -> (its mtime_ns, {file name: the prefix ids in it}): the heads read already
         self._heads: dict[str, tuple[int, dict[str, np.ndarray]]] = {}
         self.bytes_written = self.bytes_read = self.files_written = self.rejected = 0
@@ -178,12 +180,13 @@ class DiskTier:
     def path(self, start_key: str, end_key: str) -> Path:
         return self.model_folder / start_key / f"{end_key}.kv"
 
-    def has(self, start_key: str, end_key: str) -> bool:
-        """Is that segment on disk, or queued to be written? One stat."""
+    def wants(self, start_key: str, end_key: str, nbytes: int) -> bool:
+        """Would `write` take that segment (of `nbytes` of K/V): not on disk nor queued, within the budget and
+        the writer's queue? One stat."""
         with self._lock:
-            if (start_key, end_key) in self._pending:
-                return True
-        return self.path(start_key, end_key).exists()
+            if (start_key, end_key) in self._pending or self._pending_bytes + nbytes > PENDING_BYTES:
+                return False
+        return nbytes < self.budget_bytes and not self.path(start_key, end_key).exists()
 
     def starts_at(self, start_key: str) -> bool:
         """Could a file continue the prefix named `start_key` (has it a folder)? One stat."""
@@ -316,19 +319,15 @@ class DiskTier:
     # ----- writing --------------------------------------------------------------------------------------
 
     def write(self, seg: Segment, start_key: str) -> bool:
-        """Queue `seg` to be written (by the writer thread, once `seg.ready`); False if it is on disk or
-        queued already, or alone larger than the budget."""
+        """Queue `seg` to be written (by the writer thread, once `seg.ready`); False where `wants` says no."""
         name = (start_key, seg.key)
+        if not self.wants(start_key, seg.key, seg.nbytes):
+            return False
         with self._lock:
             if name in self._pending:
                 return False
             self._pending.add(name)
-        header = self._header(seg)
-        if (self.path(*name).exists()
-                or Layout.of(header, len(json.dumps(header).encode()), self.element_size).size > self.budget_bytes):
-            with self._lock:
-                self._pending.discard(name)
-            return False
+            self._pending_bytes += seg.nbytes
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(target=self._write_loop, name="lmq-disk-tier", daemon=True)
             self._writer.start()
@@ -351,6 +350,7 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._pending.discard((start_key, seg.key))
+                    self._pending_bytes -= seg.nbytes
                 self._jobs.task_done()
 
     def _header(self, seg: Segment) -> dict:
@@ -386,6 +386,8 @@ class DiskTier:
                 described = self.model_folder / "model.json"
                 if not described.exists():
                     described.write_text(json.dumps({"key": self.key, **self.description}, indent=1))
+                if layout.size > self.budget_bytes:
+                    return
                 _make_room(self.folder, self.budget_bytes - layout.size)
                 os.replace(part, final)
         finally:

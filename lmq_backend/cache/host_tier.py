@@ -34,6 +34,10 @@ class HostTier:
         """`(start, key)`: is that segment here?"""
         return name in self._lru
 
+    def starts(self, start: int, token: int) -> bool:
+        """Does any segment start at `start` with `token`?"""
+        return (start, token) in self._by_head
+
     def touch(self, name: tuple[int, str]) -> bool:
         """Mark the segment `(start, key)` used; False if it is not here."""
         if name not in self._lru:

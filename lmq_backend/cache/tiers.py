@@ -97,7 +97,7 @@ class CacheTiers:
             start = len(ids) - tokens
             if self.host is None:
                 start_key = prefix_key(ids[:start])
-                if not self.disk.has(start_key, prefix_key(ids)):
+                if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
                     self.disk.write(self._down(ids, start, node.slots), start_key)
                 return
             key = prefix_key(ids)
@@ -118,7 +118,7 @@ class CacheTiers:
             ids = np.asarray(trie.path_ids(node), dtype=np.int32)
             start = len(ids) - len(node.ids)
             start_key = prefix_key(ids[:start])
-            if not self.disk.has(start_key, prefix_key(ids)):
+            if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
                 self.disk.write(self._down(ids, start, node.slots), start_key)
         except Exception as e:  # noqa: BLE001 - a cache file not written is no error
             self._warn(e)
@@ -156,6 +156,8 @@ class CacheTiers:
         if self.disk is None or not trie.enabled:
             return None
         _, p = trie.match(ids, limit)
+        if limit - p < self.disk_min_tokens:  # (a warm call's new tail: no file is worth a look)
+            return None
         ids32 = np.asarray(ids, dtype=np.int32)
         while self.host is not None:
             seg, k = self.host.find(ids, ids32, p, limit)
@@ -225,7 +227,7 @@ class CacheTiers:
         """Extend the device match (`node`, `cached` tokens of `ids`) from the host tier and the `staged`
         segments, short of `limit`: each loaded run of tokens gets fresh store slots and becomes a trie node.
         Returns the deepest node and its depth. Stops where the store or the trie has no room."""
-        if cached >= limit or (not staged and (self.host is None or not len(self.host))):
+        if cached >= limit or (not staged and (self.host is None or not self.host.starts(cached, ids[cached]))):
             return node, cached
         ids32 = np.asarray(ids, dtype=np.int32)
         hit = {"host": False, "disk": False}
