@@ -24,6 +24,7 @@ import lmq_backend as lmq
 from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
 from lmq_backend.cache.host_tier import HostTier
 from lmq_backend.cache.segment import Segment, prefix_key
+from lmq_backend.cache.stats import CacheStats, format_table
 from lmq_backend.cache.tiers import CacheTiers
 from support.tiny import tiny_llama
 
@@ -348,6 +349,11 @@ async def test_stats_count_tiers_since_reset(model, tokenizer, tmp_path):
     assert s.bytes_to_host == s.host_hits == s.tokens_from_host == 0 and s.host_bytes_in_use > 0
     d = s.as_dict()
     assert {"host_hits", "disk_hits", "bytes_to_disk", "disk_rejected", "host_bytes_in_use"} <= set(d)
+    before = b.stats()
+    await run(b, CALLS[6:])
+    since = b.stats().since(before)  # (what `lmq profile` reports)
+    assert since.host_hits == b.stats().host_hits and since.host_bytes_in_use == b.stats().host_bytes_in_use
+    assert "tiers: host" in format_table(since) and "tiers:" not in format_table(CacheStats())
 
 
 def test_tiers_are_off_where_the_trie_is(model, tokenizer, tmp_path):
