@@ -4,8 +4,9 @@ warm-start (CPU, the default model): W1's ~1,086-token few-shot prompt as a quer
 (`lmq_backend.cli.main`) in new processes sharing one disk tier folder:
   cold          the first process: the whole prompt is prefilled (and written to disk)
   new process   the first call of a later process: the prefix comes from disk, only the review is prefilled
-  + warmed up   the same after a short query that shares nothing with W1's prompt (a process's first query
-                pays one-time costs of its own: the CPU kernels' calibration, first-use imports, thread start-up)
+  + warmed up   the same after two calls of another few-shot prompt of W1's length (a process's first calls of
+                a shape pay one-time costs of their own: first-use imports, thread start-up, and the CPU
+                kernels' calibration of the shape, measured again in each process while the machine is busy)
   warm          that process's next call: the prefix is in its device trie
 Time to first token = from the call's start to the end of its prefill step (its first token's logits), with the
 model loaded before; the call's whole time too. Target: new process <= 1.5x warm.
@@ -58,7 +59,8 @@ def child(path: str, warm_up: str, reviews: list[str]) -> None:
     calls = []
     if warm_up != "-":
         with contextlib.redirect_stdout(io.StringIO()):
-            assert main(["run", warm_up, "--var", "review=Fine."]) == 0
+            for review in ("Fine.", "Not bad at all."):
+                assert main(["run", warm_up, "--var", f"review={review}"]) == 0
     for review in reviews:
         before, n = backend.stats(), len(ends)
         started = time.perf_counter()
@@ -84,7 +86,7 @@ def warm_start(args) -> None:
     reviews = W.w1_reviews(4 * args.runs + 2, seed=7)
     with tempfile.TemporaryDirectory() as tmp:
         path = query_file(Path(tmp), W.w1_shots())
-        warm_up = query_file(Path(tmp), "Say how each review feels.\n\n", "warm_up.lmq")
+        warm_up = query_file(Path(tmp), W.w1_shots(seed=5), "warm_up.lmq")
         folder = str(Path(tmp) / "kv")
         cold = run_child(path, folder, reviews[:1])[0]
         runs = [run_child(path, folder, reviews[2 + 4 * i:4 + 4 * i]) for i in range(args.runs)]

@@ -213,6 +213,8 @@ class DiskTier:
             return {}
         with self._lock:
             known = self._heads.get(start_key)
+            if known is not None:
+                known = (known[0], dict(known[1]))  # (a copy: other threads may forget files meanwhile)
         if known is not None and known[0] == stamp:
             return known[1]
         try:
@@ -236,7 +238,7 @@ class DiskTier:
                 continue
             heads[name] = ids
         with self._lock:
-            self._heads[start_key] = (stamp, heads)
+            self._heads[start_key] = (stamp, dict(heads))
         return heads
 
     def read(self, path: Path) -> Segment | None:
@@ -246,6 +248,7 @@ class DiskTier:
             with open(path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except FileNotFoundError:
+            self._forget(path)
             return None
         except ValueError:  # an empty file cannot be mapped
             self._reject(path, "it is empty")
@@ -396,7 +399,15 @@ class DiskTier:
             self.bytes_written += layout.size
             self.files_written += 1
 
+    def _forget(self, path: Path) -> None:
+        """Drop a file from the heads read (it is gone)."""
+        with self._lock:
+            known = self._heads.get(path.parent.name)
+            if known is not None:
+                known[1].pop(path.name, None)
+
     def _reject(self, path: Path, reason: str) -> None:
+        self._forget(path)
         with self._lock:
             self.rejected += 1
         warnings.warn(f"lmq: ignored the K/V cache file {path}: {reason}; its tokens are computed again",

@@ -12,7 +12,7 @@ strided sample of at most 4,096 of its values. A model in memory can be changed 
 from __future__ import annotations
 
 import hashlib
-import os
+import platform
 from pathlib import Path
 
 import torch
@@ -67,4 +67,4 @@ def describe_device(device: torch.device) -> str:
     """The device as part of a key: K/V computed on another kind of device may differ in rounding."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"{device.type}:{os.uname().machine}"
+    return f"{device.type}:{platform.machine()}"

@@ -190,8 +190,11 @@ class CacheTiers:
             if seg is None:  # gone or rejected (removed): look again
                 tries += 1
                 continue
+            k = seg.continues(ids32, limit)
+            if not k:  # (replaced since its head was read)
+                break
             out.append(seg)
-            p += seg.continues(ids32, limit)
+            p += k
         return out
 
     def _read_once(self, path: Path, size: int) -> Segment | None:
