@@ -1,7 +1,8 @@
 """`HostTier`: segments of evicted trie nodes in host memory, under a byte budget, least recently used first out.
 
 On a GPU machine the segments' K/V live in pinned memory (they come down and go back up with asynchronous
-copies: `cache/tiers.py`). On a CPU backend the K/V store is host memory already, so a host tier there only
+copies: `cache/tiers.py`), each block from torch's pinned allocator, which rounds a block up to a power of
+two bytes: a pinned tier counts each segment at that size, so the memory it holds stays within its budget. On a CPU backend the K/V store is host memory already, so a host tier there only
 adds a second copy of what a larger `cache_budget` would keep in place: `HFBackend` leaves it off on the CPU
 unless `host_cache=` is given (then it works the same, in plain memory).
 
@@ -18,11 +19,17 @@ import numpy as np
 from .segment import Segment
 
 
+def held_bytes(nbytes: int, pinned: bool) -> int:
+    """The host memory a segment of `nbytes` of K/V holds: a pinned block is a power of two bytes."""
+    return 1 << max(nbytes - 1, 0).bit_length() if pinned else nbytes
+
+
 class HostTier:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, pinned: bool = False):
         if budget_bytes < 0:
             raise ValueError("host tier budget must be >= 0")
         self.budget_bytes = int(budget_bytes)
+        self.pinned = pinned
         self.bytes_in_use = 0
         self._lru: OrderedDict[tuple[int, str], Segment] = OrderedDict()   # oldest first
         self._by_head: dict[tuple[int, int], list[Segment]] = {}           # (start, first token) -> segments
@@ -53,14 +60,15 @@ class HostTier:
         if name in self._lru:
             self._lru.move_to_end(name)
             return []
-        if seg.nbytes > self.budget_bytes:
+        held = held_bytes(seg.nbytes, self.pinned)
+        if held > self.budget_bytes:
             return [seg]
         dropped = []
-        while self.bytes_in_use + seg.nbytes > self.budget_bytes:
+        while self.bytes_in_use + held > self.budget_bytes:
             dropped.append(self._drop(next(iter(self._lru))))
         self._lru[name] = seg
         self._by_head.setdefault((seg.start, int(seg.ids[seg.start])), []).append(seg)
-        self.bytes_in_use += seg.nbytes
+        self.bytes_in_use += held
         return dropped
 
     def find(self, ids: list[int], ids32: np.ndarray | None, start: int, limit: int) -> tuple[Segment | None, int]:
@@ -89,7 +97,8 @@ class HostTier:
 
     def check(self) -> None:
         """Assert the bookkeeping (for tests)."""
-        assert self.bytes_in_use == sum(s.nbytes for s in self._lru.values()) <= self.budget_bytes
+        held = sum(held_bytes(s.nbytes, self.pinned) for s in self._lru.values())
+        assert self.bytes_in_use == held <= self.budget_bytes
         indexed = [s for segs in self._by_head.values() for s in segs]
         assert len(indexed) == len(self._lru) and all(self._lru[(s.start, s.key)] is s for s in indexed)
 
@@ -101,5 +110,5 @@ class HostTier:
             self._by_head[head] = rest
         else:
             del self._by_head[head]
-        self.bytes_in_use -= seg.nbytes
+        self.bytes_in_use -= held_bytes(seg.nbytes, self.pinned)
         return seg

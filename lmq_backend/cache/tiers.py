@@ -339,7 +339,7 @@ def build_tiers(store: KVStore, host_bytes: int, folder: Path | None, disk_bytes
                 name: str) -> CacheTiers | None:
     """The tiers of a backend's store: a host tier of `host_bytes` (0: none) and a disk tier in `folder` (None:
     none) keyed by the weights' `fingerprint()` (called only then), `weights_dtype`, `device` and `layout`."""
-    host = HostTier(host_bytes) if host_bytes > 0 else None
+    host = HostTier(host_bytes, pinned=store.device.type == "cuda") if host_bytes > 0 else None
     disk = None
     if folder is not None and disk_bytes > 0:
         key = model_key(fingerprint(), weights_dtype, device, layout, store.shape)

@@ -71,6 +71,16 @@ def test_host_tier_keeps_its_budget_least_recently_used_first():
     assert host.put(big) == [big] and len(host) == 3  # larger than the budget: straight down
 
 
+def test_a_pinned_host_tier_counts_the_pinned_allocator_blocks():
+    seg = segment(list(range(40)), 0)  # 40 x 512 bytes: a 32 KiB block when pinned
+    assert seg.nbytes == 40 * 512
+    host = HostTier(3 * 32768, pinned=True)
+    for i in range(4):
+        host.put(segment(list(range(100 * i, 100 * i + 40)), 0, seed=i))
+    host.check()
+    assert len(host) == 3 and host.bytes_in_use == 3 * 32768
+
+
 def test_host_tier_finds_the_longest_exact_continuation():
     host = HostTier(10**6)
     prefix = list(range(10, 30))
