@@ -17,6 +17,7 @@ Random weights of the given shape in bf16 (speed does not depend on weight value
 
     python benchmarks/bench_tiers.py warm-start [--runs 3]
     python benchmarks/bench_tiers.py host [--shape llama-1b] [--prefixes 64] [--calls 64] [--concurrency 8]
+    (--device cpu --shape smollm2-135m --prefixes 4 --calls 3: a dry run of the host workload, float32)
 """
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def host(args) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_dir())
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(W.random_config(args.shape), dtype=torch.bfloat16).cuda().eval()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(W.random_config(args.shape), dtype=dtype).to(args.device).eval()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     prefixes = [W.w1_shots(seed=s) for s in range(args.prefixes)]
     reviews = W.w1_reviews(args.calls, seed=1)
     calls = [{"shots": prefixes[p], "review": reviews[c]} for p in range(args.prefixes) for c in range(args.calls)]
@@ -126,20 +129,20 @@ def host(args) -> None:
     source = W.W1_QUERY.replace('from "default"', 'from "tiers-bench"')
 
     config = model.config
-    per_token = token_bytes(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.bfloat16)
+    per_token = token_bytes(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
     budget = int(8.5 * len(tokenizer(prefixes[0]).input_ids) * per_token)  # 8 prefixes and their calls' tails
 
     def measure(host_cache) -> dict:
         backend = lmq.HFBackend.from_model(model, tokenizer, cache_budget=budget, name=args.shape,
-                                           host_cache=host_cache, kv_budget="8GB")
+                                           host_cache=host_cache, kv_budget="8GB" if args.device == "cuda" else "2GB")
         lmq.register_backend("tiers-bench", backend)
         query = lmq.Query(source)
         asyncio.run(query.map(calls[:2 * args.concurrency], concurrency=args.concurrency))  # JIT, graphs
         backend.reset_stats()
-        torch.cuda.synchronize()
+        sync()
         started = time.perf_counter()
         results = asyncio.run(query.map(calls, concurrency=args.concurrency))
-        torch.cuda.synchronize()
+        sync()
         seconds = time.perf_counter() - started
         s = backend.stats()
         backend.close()
@@ -148,7 +151,8 @@ def host(args) -> None:
                 "evictions": s.evictions, "answers": [r["CLS"] for r in results]}
 
     with_host, without = measure("4GB"), measure(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.shape} bf16, random weights; "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else W.cpu_host()
+    print(f"{device}, torch {torch.__version__}, {args.shape} {str(dtype)[6:]}, random weights; "
           f"{args.prefixes} prefixes x {args.calls} calls, random order, {args.concurrency} at a time, "
           f"device trie budget: 8 prefixes")
     print(f"{'':<16} {'q/s':>8} {'hit rate':>9} {'host hits':>9} {'evictions':>9} {'down GB':>8} {'up GB':>8}")
@@ -175,6 +179,7 @@ def main() -> None:
     h.add_argument("--prefixes", type=int, default=64)
     h.add_argument("--calls", type=int, default=64)
     h.add_argument("--concurrency", type=int, default=8)
+    h.add_argument("--device", default="cuda")
     h.set_defaults(func=host)
     args = ap.parse_args()
     args.func(args)

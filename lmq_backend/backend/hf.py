@@ -386,9 +386,9 @@ class HFBackend(Backend):
         """The prefill, with the disk tier's files that continue its device and host matches read (off the
         event loop: the batch runs meanwhile) for `prepare` to load."""
         tiers, limit = self.tiers, len(prefill.ids) - 1
-        start = None if tiers is None else tiers.stage_from(self.trie, prefill.ids, limit)
-        if start is not None:
-            prefill.staged = await asyncio.to_thread(tiers.stage, prefill.ids, start, limit)
+        at = None if tiers is None else tiers.stage_from(self.trie, prefill.ids, limit)
+        if at is not None:
+            prefill.staged = await asyncio.to_thread(tiers.stage, prefill.ids, at, limit)
         return prefill
 
 

@@ -194,16 +194,22 @@ class DiskTier:
 
     # ----- reading --------------------------------------------------------------------------------------
 
-    def find(self, ids32: np.ndarray, start: int, limit: int) -> tuple[Path | None, int]:
-        """The file whose segment continues `ids32` furthest at `start` (short of `limit`), and by how many
-        tokens. Reads the heads (header and ids) of files it has not seen, once per process."""
+    def find(self, ids32: np.ndarray, start: int, limit: int, past: int | None = None) -> tuple[Path | None, int]:
+        """The file whose segment starts at `start` and continues `ids32` furthest (short of `limit`), and by
+        how many tokens; with `past`, only one that continues them beyond position `past`. Reads the heads
+        (header and ids) of files it has not seen, once per process."""
+        past = start if past is None else past
+        if not start <= past < limit:
+            return None, 0
         start_key = prefix_key(ids32[:start])
-        best, most = None, 0
+        best, most = None, past - start
         for name, ids in self._heads_in(start_key, start).items():
+            if len(ids) <= past or ids[past] != ids32[past]:
+                continue
             k = continued(ids, start, ids32, limit)
             if k > most:
                 best, most = self.model_folder / start_key / name, k
-        return best, most
+        return (best, most) if best is not None else (None, 0)
 
     def _heads_in(self, start_key: str, start: int) -> dict[str, np.ndarray]:
         folder = self.model_folder / start_key

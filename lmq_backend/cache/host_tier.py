@@ -71,23 +71,32 @@ class HostTier:
         self.bytes_in_use += held
         return dropped
 
-    def find(self, ids: list[int], ids32: np.ndarray | None, start: int, limit: int) -> tuple[Segment | None, int]:
-        """The segment that continues `ids` furthest at `start` (no further than `limit`) and how many tokens
-        of it do; touches it. `ids32`: the same ids as int32 (built here when None and needed)."""
-        if start >= limit:
+    def find(self, ids: list[int], ids32: np.ndarray | None, start: int, limit: int,
+             past: int | None = None) -> tuple[Segment | None, int]:
+        """The segment starting at `start` that continues `ids` furthest (short of `limit`), and how many of its
+        tokens do; with `past`, only one that continues them beyond position `past` (a match ending there: a
+        segment that starts before it may hold what follows). Touches it. `ids32`: the same ids as int32
+        (built here when None and needed)."""
+        past = start if past is None else past
+        if not start <= past < limit:
             return None, 0
         candidates = self._by_head.get((start, ids[start]))
         if not candidates:
             return None, 0
+        token = ids[past]
+        candidates = [seg for seg in candidates if seg.end > past and seg.ids[past] == token]
+        if not candidates:
+            return None, 0
         if ids32 is None:
             ids32 = np.asarray(ids, dtype=np.int32)
-        best, most = None, 0
+        best, most = None, past - start
         for seg in candidates:
             k = seg.continues(ids32, limit)
             if k > most:
                 best, most = seg, k
-        if best is not None:
-            self._lru.move_to_end((best.start, best.key))
+        if best is None:
+            return None, 0
+        self._lru.move_to_end((best.start, best.key))
         return best, most
 
     def clear(self) -> None:

@@ -150,33 +150,38 @@ class CacheTiers:
 
     # ----- up -------------------------------------------------------------------------------------------
 
-    def stage_from(self, trie: PrefixTrie, ids: list[int], limit: int) -> int | None:
+    def stage_from(self, trie: PrefixTrie, ids: list[int], limit: int) -> tuple[int, list[int]] | None:
         """Where the disk tier may continue `ids` (short of `limit`) after the device trie and the host tier:
-        the position to `stage` from, or None when there is nothing worth a look (one stat)."""
+        that position and the starts of the segments before it (a file that begins at any of them may hold
+        what follows), for `stage`; None when no file is worth a look (a few stats)."""
         if self.disk is None or not trie.enabled:
             return None
-        _, p = trie.match(ids, limit)
+        node, p = trie.match(ids, limit)
         if limit - p < self.disk_min_tokens:  # (a warm call's new tail: no file is worth a look)
             return None
+        starts = [0, *(n.depth for n in trie.path(node))]
         ids32 = np.asarray(ids, dtype=np.int32)
-        while self.host is not None:
-            seg, k = self.host.find(ids, ids32, p, limit)
-            if not k:
-                break
-            p += k
-        if limit - p < self.disk_min_tokens or not self.disk.starts_at(prefix_key(ids32[:p])):
+        while (found := self._in_host(ids, ids32, starts, p, limit))[0] is not None:
+            p += found[2]
+            starts.append(p)
+        if limit - p < self.disk_min_tokens or not any(self.disk.starts_at(prefix_key(ids32[:s])) for s in starts):
             return None
-        return p
+        return p, starts
 
-    def stage(self, ids: list[int], start: int, limit: int) -> list[Segment]:
-        """(Any thread) the disk tier's segments that continue `ids` from `start`, one after the other,
-        mapped and checked (on a GPU machine, copied into pinned memory). Files read for another sequence at
-        the same time are read once."""
+    def stage(self, ids: list[int], at: tuple[int, list[int]], limit: int) -> list[Segment]:
+        """(Any thread) the disk tier's segments that continue `ids` from `at` (`stage_from`'s answer), one
+        after the other, mapped and checked (on a GPU machine, copied into pinned memory). Files read for
+        another sequence at the same time are read once."""
         ids32 = np.asarray(ids, dtype=np.int32)
+        p, starts = at[0], list(at[1])
         out: list[Segment] = []
-        p, tries = start, 0
+        tries = 0
         while p < limit and tries < 8:
-            path, k = self.disk.find(ids32, p, limit)
+            path, most = None, 0
+            for s in starts:
+                found, k = self.disk.find(ids32, s, limit, past=p)
+                if found is not None and s + k - p > most:
+                    path, most = found, s + k - p
             if path is None:
                 break
             try:
@@ -184,18 +189,31 @@ class CacheTiers:
             except FileNotFoundError:
                 tries += 1
                 continue
-            if not self.worth("disk", size, k):
+            if not self.worth("disk", size, most):
                 break
             seg = self._read_once(path, size)
             if seg is None:  # gone or rejected (removed): look again
                 tries += 1
                 continue
-            k = seg.continues(ids32, limit)
-            if not k:  # (replaced since its head was read)
+            k = seg.start + seg.continues(ids32, limit) - p
+            if k <= 0:  # (replaced since its head was read)
                 break
             out.append(seg)
             p += k
+            starts.append(p)
         return out
+
+    def _in_host(self, ids: list[int], ids32: np.ndarray, starts: list[int], p: int,
+                 limit: int) -> tuple[Segment | None, int, int]:
+        """The host segment, starting at one of `starts`, that continues `ids` furthest beyond `p`: (it, the
+        offset of position p in it, the tokens it holds from p on), or (None, 0, 0)."""
+        best, offset, most = None, 0, 0
+        if self.host is not None:
+            for s in starts:
+                seg, k = self.host.find(ids, ids32, s, limit, past=p)
+                if seg is not None and s + k - p > most:
+                    best, offset, most = seg, p - s, s + k - p
+        return best, offset, most
 
     def _read_once(self, path: Path, size: int) -> Segment | None:
         with self._lock:
@@ -229,26 +247,31 @@ class CacheTiers:
              staged: list[Segment] = ()) -> tuple[TrieNode, int]:
         """Extend the device match (`node`, `cached` tokens of `ids`) from the host tier and the `staged`
         segments, short of `limit`: each loaded run of tokens gets fresh store slots and becomes a trie node.
-        Returns the deepest node and its depth. Stops where the store or the trie has no room."""
-        if cached >= limit or (not staged and (self.host is None or not self.host.starts(cached, ids[cached]))):
+        A segment serves from any of its positions, so one that begins where a segment of the match begins
+        continues a match that ends inside it. Returns the deepest node and its depth; stops where the store
+        or the trie has no room."""
+        if cached >= limit:
+            return node, cached
+        starts = [0, *(n.depth for n in trie.path(node))]
+        if not staged and (self.host is None or not any(self.host.starts(s, ids[s]) for s in starts)):
             return node, cached
         ids32 = np.asarray(ids, dtype=np.int32)
         hit = {"host": False, "disk": False}
         trie.pin(node)
         try:
             while cached < limit:
-                seg, k = self.host.find(ids, ids32, cached, limit) if self.host is not None else (None, 0)
+                seg, offset, k = self._in_host(ids, ids32, starts, cached, limit)
                 tier = "host"
                 for s in staged:
-                    if s.start == cached and (n := s.continues(ids32, limit)) > k:
-                        seg, k, tier = s, n, "disk"
-                if not k or (tier == "host" and not self.worth("host", k * self.store.bytes_per_token, k)):
+                    if s.start <= cached and (n := s.start + s.continues(ids32, limit) - cached) > k:
+                        seg, offset, k, tier = s, cached - s.start, n, "disk"
+                if seg is None or (tier == "host" and not self.worth("host", k * self.store.bytes_per_token, k)):
                     break
                 try:
                     slots = self.store.alloc(k)
                 except OutOfSlots:
                     break
-                self._up(seg, k, slots, tier)
+                self._up(seg, offset, k, slots, tier)
                 child = trie.insert(node, ids[cached:cached + k], slots)
                 self.store.free_rows(slots)  # those the trie did not take (it had them, or had no room)
                 if child is None:
@@ -256,6 +279,7 @@ class CacheTiers:
                 trie.pin(child)
                 trie.unpin(node)
                 node, cached = child, child.depth
+                starts.append(cached)
                 hit[tier] = True
                 if tier == "host":
                     self.tokens_from_host += k
@@ -268,13 +292,13 @@ class CacheTiers:
         self.disk_hits += hit["disk"]
         return node, cached
 
-    def _up(self, seg: Segment, k: int, slots: np.ndarray, tier: str) -> None:
-        """The first k tokens' K/V of `seg` into store `slots`."""
+    def _up(self, seg: Segment, offset: int, k: int, slots: np.ndarray, tier: str) -> None:
+        """The K/V of `seg`'s tokens [offset, offset + k) into store `slots`."""
         data = self.store.data
         index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if not self.cuda:
             started = time.perf_counter()
-            data.index_copy_(2, index, seg.kv[:, :, :k])
+            data.index_copy_(2, index, seg.kv[:, :, offset:offset + k])
             self._measure(tier, k * self.store.bytes_per_token, time.perf_counter() - started)
             return
         stream = torch.cuda.current_stream(self.store.device)
@@ -284,8 +308,10 @@ class CacheTiers:
         if timed:
             torch.cuda.synchronize(self.store.device)
             started = time.perf_counter()
+        # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
+        # asynchronously), then the part wanted goes into the store
         up = seg.kv.to(self.store.device, non_blocking=True)
-        data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, :k])
+        data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, offset:offset + k])
         if timed:
             torch.cuda.synchronize(self.store.device)
             self._measure(tier, seg.nbytes, time.perf_counter() - started)

@@ -91,7 +91,9 @@ def test_host_tier_finds_the_longest_exact_continuation():
         host.put(s)
     ids = prefix + [1, 2, 3, 4, 7, 7, 7]
     assert host.find(ids, None, 20, len(ids)) == (a, 4)
-    assert host.find(ids, None, 20, 22) == (a, 2) or host.find(ids, None, 20, 22)[1] == 2  # a limit
+    assert host.find(ids, None, 20, 22)[1] == 2  # no further than the limit
+    assert host.find(ids, None, 20, len(ids), past=22) == (a, 4)  # beyond position 22: only a does
+    assert host.find(ids, None, 20, len(ids), past=24) == (None, 0)
     assert host.find(ids, None, 19, len(ids)) == (None, 0)
     assert host.find([99] + ids[1:], None, 20, 27)[0] is other
 
@@ -106,6 +108,8 @@ def test_disk_round_trip_is_exact(tmp_path):
     path = put_on_disk(tier, seg)
     found, k = tier.find(np.asarray(ids[:150] + [1, 2], dtype=np.int32), 120, 152)
     assert found == path and k == 30
+    assert tier.find(np.asarray(ids, dtype=np.int32), 120, 200, past=180) == (path, 80)
+    assert tier.find(np.asarray(ids[:150] + [1, 2], dtype=np.int32), 120, 152, past=150) == (None, 0)
     back = tier.read(path)
     assert back.start == 120 and np.array_equal(back.ids, seg.ids)
     assert torch.equal(back.kv, seg.kv) and back.kv.dtype == torch.bfloat16
@@ -324,6 +328,25 @@ async def test_damaged_or_foreign_files_give_the_right_answer_and_a_warning(mode
     with pytest.warns(CacheFileWarning):
         assert await run(second) == reference
     assert second.stats().disk_rejected >= 1 and second.stats().tokens_from_disk == 0
+
+
+async def test_a_segment_serves_a_match_that_ends_inside_it(model, tokenizer, reference, tmp_path):
+    """The device trie holds the first tokens of a prefix (another prompt shares them) that a lower tier holds
+    whole: the rest comes from the tier, from the middle of its segment."""
+    other = [(5, "what is one?")]  # shots(5) shares its first tokens ("Q:") with shots(0)'s
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache="16MB")
+    assert await run(first, CALLS[:1]) == reference[:1]
+    first.close()
+    second = backend(model, tokenizer, disk_cache=tmp_path, host_cache="16MB")
+    await run(second, other)
+    assert await run(second, CALLS[:1]) == reference[:1]
+    s = second.stats()
+    assert s.tokens_from_disk > 150 and second.trie.match(second.vocab.encode(shots(0)))[1] > 150
+    second.trie.evict(second.trie.budget_bytes)  # everything down to the host tier
+    await run(second, other)
+    before = second.stats()
+    assert await run(second, CALLS[:1]) == reference[:1]
+    assert second.stats().since(before).tokens_from_host > 150
 
 
 async def test_a_slow_tier_is_not_loaded(model, tokenizer, reference, tmp_path):
