@@ -17,7 +17,7 @@ Random weights of the given shape in bf16 (speed does not depend on weight value
 
     python benchmarks/bench_tiers.py warm-start [--runs 3]
     python benchmarks/bench_tiers.py host [--shape llama-1b] [--prefixes 64] [--calls 64] [--concurrency 8]
-    (--device cpu --shape smollm2-135m --prefixes 4 --calls 3: a dry run of the host workload, float32)
+    (--device cpu --shape smollm2-135m --prefixes 4 --calls 3 --held 1 --concurrency 1: a dry run, float32)
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def host(args) -> None:
 
     config = model.config
     per_token = token_bytes(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
-    budget = int(8.5 * len(tokenizer(prefixes[0]).input_ids) * per_token)  # 8 prefixes and their calls' tails
+    budget = int((args.held + 0.5) * len(tokenizer(prefixes[0]).input_ids) * per_token)  # and the calls' tails
 
     def measure(host_cache) -> dict:
         backend = lmq.HFBackend.from_model(model, tokenizer, cache_budget=budget, name=args.shape,
@@ -154,7 +154,7 @@ def host(args) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else W.cpu_host()
     print(f"{device}, torch {torch.__version__}, {args.shape} {str(dtype)[6:]}, random weights; "
           f"{args.prefixes} prefixes x {args.calls} calls, random order, {args.concurrency} at a time, "
-          f"device trie budget: 8 prefixes")
+          f"device trie budget: {args.held} prefixes")
     print(f"{'':<16} {'q/s':>8} {'hit rate':>9} {'host hits':>9} {'evictions':>9} {'down GB':>8} {'up GB':>8}")
     for name, r in (("host tier 4GB", with_host), ("no host tier", without)):
         print(f"{name:<16} {r['qps']:8.1f} {r['hit']:9.3f} {r['host_hits']:9d} {r['evictions']:9d} "
@@ -179,6 +179,7 @@ def main() -> None:
     h.add_argument("--prefixes", type=int, default=64)
     h.add_argument("--calls", type=int, default=64)
     h.add_argument("--concurrency", type=int, default=8)
+    h.add_argument("--held", type=int, default=8, help="prefixes the device trie's budget holds")
     h.add_argument("--device", default="cuda")
     h.set_defaults(func=host)
     args = ap.parse_args()
