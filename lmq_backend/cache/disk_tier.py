@@ -33,7 +33,6 @@ fails any check (torn, truncated, corrupted, from another model, dtype or layout
 from __future__ import annotations
 
 import atexit
-import fcntl
 import hashlib
 import json
 import mmap
@@ -53,6 +52,11 @@ import numpy as np
 import torch
 
 from ..paths import cache_dir
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not a POSIX system: the lock holds within this process only
+    fcntl = None
 from .segment import Segment, continued, prefix_key
 
 FORMAT_VERSION = 1
@@ -426,16 +430,21 @@ class DiskTier:
 
 # ----- the folder as a whole (the writer's eviction; `lmq cache ls | clear`) ----------------------------------
 
+_process_lock = threading.RLock()
+
+
 @contextmanager
 def folder_lock(folder: Path):
     """The folder's exclusive lock (flock on `.lock`): held while files are put in place or removed."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    with _process_lock, open(folder / ".lock", "a+b") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _entries(folder: Path) -> list[tuple[float, int, Path]]:
