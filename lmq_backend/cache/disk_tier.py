@@ -39,6 +39,7 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -65,7 +66,8 @@ BLOCK = 4096
 ALIGN = 64
 TRAILER = struct.Struct("<8sIIQQ")
 PENDING_BYTES = 1 << 29   # files queued beyond this are not written (a cache may drop what it cannot keep up with)
-STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a process that died while writing
+STALE_TEMP_SECONDS = 3600
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)  # a temp file this old was left by a process that died while writing
 DISK_ENV = "LMQ_DISK_CACHE"
 OFF = ("", "0", "off", "none", "false", "no")
 
@@ -263,6 +265,11 @@ class DiskTier:
         except ValueError:  # an empty file cannot be mapped
             self._reject(path, "it is empty")
             return None
+        if MADV_POPULATE_READ is not None:
+            try:  # the page tables in one call, not a fault per few pages as the checks read them
+                mapped.madvise(MADV_POPULATE_READ)
+            except OSError:
+                pass
         try:
             layout = self._check(mapped)
         except Rejected as e:
