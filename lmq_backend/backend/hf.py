@@ -112,10 +112,10 @@ class HFBackend(Backend):
             from .gguf_weights import quantize_weights
 
             quantize_weights(model, str(dtype), gguf_file)
-        tiers = (host_cache, disk_cache, disk_budget, lambda: folder_fingerprint(Path(path)),
-                 str(dtype) if str(dtype) in QUANTIZED_DTYPES else None)
         self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget,
-                    weights_folder=Path(path), tiers=tiers)
+                    weights_folder=Path(path))
+        self.tiers = self._tiers(host_cache, disk_cache, disk_budget, lambda: folder_fingerprint(Path(path)),
+                                 str(dtype) if str(dtype) in QUANTIZED_DTYPES else None)
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
@@ -124,12 +124,12 @@ class HFBackend(Backend):
         """A backend over a model object. Its disk tier is off unless `disk_cache` is given: weights in memory
         may change in place, which the fingerprint (a sample of them) cannot always see."""
         backend = cls.__new__(cls)
-        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget,
-                       tiers=(host_cache, disk_cache, disk_budget, lambda: state_fingerprint(model), None))
+        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
+        backend.tiers = backend._tiers(host_cache, disk_cache, disk_budget, lambda: state_fingerprint(model))
         return backend
 
     def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None,
-               weights_folder: Path | None = None, tiers: tuple = ("auto", None, 0, None, None)) -> None:
+               weights_folder: Path | None = None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
@@ -141,7 +141,7 @@ class HFBackend(Backend):
         trie, per_token = weakref.proxy(self.trie), self.store.bytes_per_token
         self.store.reclaim = lambda n: trie.evict(n * per_token)
         self.store.evictable = lambda: trie.evictable_bytes() // per_token
-        self.tiers = self._tiers(*tiers)  # cache tiers (cache/tiers.py)
+        self.tiers = None  # cache tiers (cache/tiers.py): `_tiers`, once the store and the trie exist
         self.scheduler = Scheduler(self.runner, self.store)
         self._vocab = vocab_index(tokenizer, self.runner.vocab_size)  # (from disk after the first load)
         self._extendable = ~self._vocab.special
@@ -366,8 +366,9 @@ class HFBackend(Backend):
 
     # ----- cache tiers (cache/tiers.py) ------------------------------------------------------------
 
-    def _tiers(self, host_cache, disk_cache, disk_budget, fingerprint, weights_dtype):
-        """The tiers under the trie (None: none, or the trie is off)."""
+    def _tiers(self, host_cache, disk_cache, disk_budget, fingerprint, weights_dtype: str | None = None):
+        """The tiers under the trie (None: none, or the trie is off); `fingerprint()` names the weights, and
+        `weights_dtype` a quantized dtype (else the store's)."""
         if not self.trie.enabled:
             return None
         device = self.runner.device
