@@ -171,7 +171,14 @@ class CacheTiers:
     def stage(self, ids: list[int], at: tuple[int, list[int]], limit: int) -> list[Segment]:
         """(Any thread) the disk tier's segments that continue `ids` from `at` (`stage_from`'s answer), one
         after the other, mapped and checked (on a GPU machine, copied into pinned memory). Files read for
-        another sequence at the same time are read once."""
+        another sequence at the same time are read once. Never raises: a failure is a miss, with a warning."""
+        try:
+            return self._stage(ids, at, limit)
+        except Exception as e:  # noqa: BLE001 - the tokens are computed instead
+            self._warn(e)
+            return []
+
+    def _stage(self, ids: list[int], at: tuple[int, list[int]], limit: int) -> list[Segment]:
         ids32 = np.asarray(ids, dtype=np.int32)
         p, starts = at[0], list(at[1])
         out: list[Segment] = []
@@ -271,7 +278,12 @@ class CacheTiers:
                     slots = self.store.alloc(k)
                 except OutOfSlots:
                     break
-                self._up(seg, offset, k, slots, tier)
+                try:
+                    self._up(seg, offset, k, slots, tier)
+                except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
+                    self.store.free(slots)
+                    self._warn(e)
+                    break
                 child = trie.insert(node, ids[cached:cached + k], slots)
                 self.store.free_rows(slots)  # those the trie did not take (it had them, or had no room)
                 if child is None:
@@ -354,6 +366,7 @@ class CacheTiers:
             self.host.clear()
 
     def _warn(self, error: Exception) -> None:
+        """One warning per backend: a tier that fails keeps failing the same way."""
         if not self._warned:
             self._warned = True
             warnings.warn(f"lmq: a cache tier failed ({type(error).__name__}: {error}); its prefixes are computed "

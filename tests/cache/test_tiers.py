@@ -282,6 +282,24 @@ async def test_exact_through_host_round_trips(model, tokenizer, reference, tmp_p
     assert 0 < s.host_bytes_in_use <= 16 * 10**6
 
 
+async def test_a_failing_tier_is_a_miss_with_a_warning(model, tokenizer, reference, tmp_path, monkeypatch):
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    await run(first, CALLS[:4])
+    first.close()
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB", disk_cache=tmp_path)
+
+    def broken(*args, **kwargs):
+        raise OSError("the device is gone")
+
+    monkeypatch.setattr(b.tiers, "_up", broken)
+    monkeypatch.setattr(b.tiers.disk, "read", broken)
+    with pytest.warns(RuntimeWarning, match="a cache tier failed"):
+        assert await run(b) == reference
+    s = b.stats()
+    assert s.bytes_to_host > 0 and s.tokens_from_host == s.tokens_from_disk == 0
+    b.store.check(b.trie.node_slots(), [])  # no slot leaked
+
+
 async def test_host_tier_budget_holds_under_pressure(model, tokenizer, reference):
     b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=2 * PREFIX)
     assert await run(b) == reference
