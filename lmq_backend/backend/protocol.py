@@ -99,6 +99,12 @@ class Backend(abc.ABC):
     def release(self, seq: Sequence) -> None:
         """The query is done with `seq` (finished, failed or cancelled): drop its pins."""
 
+    def chat_template(self) -> Callable[[list[dict[str, str]], bool], str] | None:
+        """The model's chat template, for queries with role tags: `render(messages, add_generation_prompt)`
+        -> the text of the conversation (`messages`: {"role", "content"} dicts) as the model reads it after
+        the sequence's start tokens. None: the model has no chat template."""
+        return None
+
     def stats(self) -> "CacheStats":
         from ..cache.stats import CacheStats
 

@@ -66,6 +66,15 @@ class Interp:
     expr: PyExpr
 
 
+@dataclass(frozen=True, slots=True)
+class Role:
+    """`{:system}`, `{:user}`, `{:assistant}` at the start of a prompt string: it opens that role's message.
+    (The parser moves it to `Prompt.role`; it is never among a Prompt's pieces.)"""
+
+    name: str
+    span: Span
+
+
 Piece = Union[Text, Hole, Interp]
 
 
@@ -133,11 +142,13 @@ Constraint = Union[And, Or, Not, Call, Choice, Contains, LenLimit]
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A prompt string statement, with the constraints of its inline `where` (or None)."""
+    """A prompt string statement, with the constraints of its inline `where` (or None); `role`: the message
+    its role tag opens (None: the text continues the message open before it, or a plain prompt)."""
 
     pieces: tuple[Piece, ...]
     where: Constraint | None
     span: Span
+    role: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +218,12 @@ class Distribution:
 
 @dataclass(frozen=True, slots=True)
 class QueryAST:
+    """A parsed query; `chat`: a prompt string of it opens a chat message (a role tag)."""
+
     decoder: Decoder
     body: tuple[Stmt, ...]
     model: str | None
     where: Constraint | None
     distribution: Distribution | None
     source: str
+    chat: bool = False

@@ -23,7 +23,7 @@ from .ast import (
     PyStmt, QueryAST, Return, Stmt,
 )
 
-__all__ = ["check_query", "holes_of", "free_names", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
+__all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
            "iter_constraints", "iter_code"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
@@ -67,6 +67,11 @@ def holes_of(q: QueryAST) -> list[str]:
     for h in _all_holes(q):
         seen.setdefault(h.name, None)
     return list(seen)
+
+
+def uses_roles(q: QueryAST) -> bool:
+    """Whether a prompt string of the query opens a chat message (`{:system}`, `{:user}`, `{:assistant}`)."""
+    return any(isinstance(s, Prompt) and s.role is not None for s in walk_stmts(q.body))
 
 
 def iter_constraints(c: Constraint | None, negated: bool = False) -> Iterator[tuple[Constraint, bool]]:

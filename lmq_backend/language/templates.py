@@ -9,7 +9,7 @@ from typing import Any
 
 from lark import Token
 
-from .ast import Hole, Interp, Piece, Span, Text
+from .ast import Hole, Interp, Piece, Role, Span, Text
 from .python_code import make_expr
 from .source import _Source
 
@@ -17,6 +17,8 @@ from .source import _Source
 _PREFIX = re.compile(r"[A-Za-z]*")
 _ESCAPE = re.compile(r"\\(?:N\{[^}\n]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|\n|[\s\S])")
 _HOLE = re.compile(r"\[([^\W\d]\w*)\]")
+_ROLE = re.compile(r"\{:([^{}]*)\}")
+ROLES = ("system", "user", "assistant")
 
 
 def _literal(text: str) -> Any:
@@ -93,9 +95,10 @@ def _interp_end(s: str, start: int) -> int:
     return -1
 
 
-def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece]:
-    """Split a decoded prompt string into Text / Hole / Interp pieces."""
-    pieces: list[Piece] = []
+def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece | Role]:
+    """Split a decoded prompt string into Text / Hole / Interp pieces, and Role tags (`{:user}`: the caller
+    checks where they stand)."""
+    pieces: list[Piece | Role] = []
     buf: list[str] = []
 
     def at(i: int) -> tuple[int, int]:
@@ -127,6 +130,17 @@ def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece]:
             if value.startswith("{{", i):
                 buf.append("{")
                 i += 2
+                continue
+            if value.startswith("{:", i):
+                m = _ROLE.match(value, i)
+                if m is None:
+                    raise src.error("'{:' must start a role tag such as {:user}", *at(i))
+                name = m.group(1).strip()
+                if name not in ROLES:
+                    raise src.error(f"unknown role {{:{name}}}: use {{:system}}, {{:user}} or {{:assistant}}", *at(i))
+                flush()
+                pieces.append(Role(name, Span(*at(i))))
+                i = m.end()
                 continue
             j = _interp_end(value, i + 1)
             if j < 0:

@@ -11,8 +11,9 @@ from lark import Token, Transformer, Tree, v_args
 from ..errors import LMQCompileError
 from .ast import (
     Break, Continue, Decoder, Distribution, Exec, For, Hole, If, Piece, Prompt, PyExpr, PyStmt, QueryAST,
-    Return, Span, Stmt,
+    Return, Role, Span, Stmt, Text,
 )
+from .checks import uses_roles
 from .python_code import _PyText, make_expr, make_stmt
 from .source import _Source
 from .templates import _literal, _merge_text, decode_string_token, parse_template
@@ -76,15 +77,23 @@ class QueryTransformer(Transformer):
         return _PendingWhere(_PyText(text, line, col, self.src))
 
     def _prompt(self, strings: Tree, where: _PendingWhere | None) -> Prompt:
-        pieces: list[Piece] = []
+        pieces: list[Piece | Role] = []
         for tok in strings.children:
             value, offsets = decode_string_token(tok, self.src)
             pieces.extend(parse_template(value, offsets, self.src))
+        role = None
+        if pieces and isinstance(pieces[0], Role):
+            role = pieces.pop(0).name
+            if pieces and isinstance(pieces[0], Text):  # the message starts at its first non-blank character
+                pieces[0] = Text(pieces[0].text.lstrip())
         for p in pieces:
             if isinstance(p, Hole):
                 self.holes.append(p.name)
+            elif isinstance(p, Role):
+                raise self.src.error(f"a role tag {{:{p.name}}} must start its prompt string (a message ends where "
+                                     f"the next role tag begins)", p.span.line, p.span.column)
         first = strings.children[0]
-        prompt = Prompt(_merge_text(pieces), None, Span(first.line, first.column))
+        prompt = Prompt(_merge_text(pieces), None, Span(first.line, first.column), role)
         if where is not None:
             self.pending[id(prompt)] = where
         return prompt
@@ -258,7 +267,8 @@ class QueryTransformer(Transformer):
         holes = set(self.holes)
         body_t = self._resolve(tuple(body), holes)
         where = _combine([_ConstraintBuilder(w.py, holes).convert(w.py.tree) for w in wheres])
-        return QueryAST(decoder or Decoder("argmax", {}, Span(1, 1)), body_t, model, where, dist, self.src.text)
+        query = QueryAST(decoder or Decoder("argmax", {}, Span(1, 1)), body_t, model, where, dist, self.src.text)
+        return replace(query, chat=uses_roles(query))
 
     def _resolve(self, body: tuple, holes: set[str]) -> tuple:
         """Convert the pending inline wheres now that every hole of the query is known."""

@@ -2,12 +2,9 @@
 holes under their constraints, scores a `distribution`.
 
 Python inside a query runs in one dict, `env`: the caller's globals, the inputs, the variables the
-query assigns and the holes it has filled.
-
-Prompt text (template chunks and interpolated values, which are always literal text) collects until the
-next hole, and goes to the backend as one segment: so a chunk is tokenized as a whole, as the model saw
-such text in training, and the same way on every call whatever the cache holds. Segment boundaries fall
-only where a generated value begins or ends.
+query assigns and the holes it has filled. What the query writes goes to the backend through its
+transcript (`transcript.py`): as written, or for a query with role tags, as the model's chat template
+renders the conversation.
 """
 from __future__ import annotations
 
@@ -16,22 +13,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend.protocol import Backend
-from ..errors import LMQError, LMQRuntimeError
+from ..errors import LMQCompileError, LMQError, LMQRuntimeError
 from ..language import ast
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
 from .decoders import Sampler
+from .transcript import ChatTranscript, Transcript
 
 
 @dataclass
 class Result:
     """One result of a query call: the filled prompt, the variables, the distribution if any; for a beam
-    decoder, `score`: the sum of the log-probabilities of the tokens the decoder chose (runtime/beam.py)."""
+    decoder, `score`: the sum of the log-probabilities of the tokens the decoder chose (runtime/beam.py);
+    for a chat, `rerenders`: how often the model's template rendered an earlier message differently once a
+    later one existed, so that the prompt was sent again whole (transcript.py)."""
 
     prompt: str
     variables: dict[str, Any]
     distribution: dict[str, float] | None = None
     value: Any = None  # what the query's `return` returned, if it returned
     score: float | None = None
+    rerenders: int = 0
 
     def __getitem__(self, name: str) -> Any:
         return self.variables[name]
@@ -62,11 +63,10 @@ class Run:
     max_len: int
     variables: dict[str, Any] = field(default_factory=dict)
     distribution: dict[str, float] | None = None
-    pending: list[str] = field(default_factory=list)  # prompt text not yet sent to the backend
 
     async def execute(self) -> Result:
-        seq = self.backend.sequence(self.template, self.max_len)
-        self.seq = seq
+        self.transcript = self._transcript()
+        self.seq = self.backend.sequence(self.template, self.max_len)
         value = None
         try:
             try:
@@ -75,10 +75,20 @@ class Run:
                 value = r.value
             except (_Break, _Continue):
                 raise LMQRuntimeError("`break`/`continue` outside a loop") from None
-            await self._flush()
+            await self._flush(final=True)
         finally:
-            self.backend.release(seq)
-        return Result(prompt=seq.text, variables=dict(self.variables), distribution=self.distribution, value=value)
+            self.backend.release(self.seq)
+        return Result(prompt=self.seq.text, variables=dict(self.variables), distribution=self.distribution,
+                      value=value, rerenders=getattr(self.transcript, "rerenders", 0))
+
+    def _transcript(self) -> Transcript:
+        if not self.query.chat:
+            return Transcript()
+        render = self.backend.chat_template()
+        if render is None:
+            raise LMQCompileError(f"model {self.backend.name!r} has no chat template (its tokenizer's "
+                                  f"chat_template is not set): role tags such as {{:user}} need one")
+        return ChatTranscript(render)
 
     # ----- statements ---------------------------------------------------------------------------------
 
@@ -118,11 +128,17 @@ class Run:
 
     async def _prompt(self, stmt: ast.Prompt) -> None:
         where = _conjoin(stmt.where, self.query.where)
+        if stmt.role is not None:
+            self.transcript.open(stmt.role)
+        elif stmt.pieces and not self.transcript.has_message:
+            raise LMQRuntimeError(f"line {stmt.span.line}: prompt text before any role tag: in a query with role "
+                                  f"tags, every prompt string belongs to a message ({{:system}}, {{:user}}, "
+                                  f"{{:assistant}})")
         for piece in stmt.pieces:
             if isinstance(piece, ast.Text):
-                self.pending.append(piece.text)
+                self.transcript.write(piece.text)
             elif isinstance(piece, ast.Interp):
-                self.pending.append(str(self._eval(piece.expr)))
+                self.transcript.write(str(self._eval(piece.expr)))
             else:
                 await self._flush()
                 if self.query.distribution is not None and piece.name == self.query.distribution.var:
@@ -130,14 +146,14 @@ class Run:
                 else:
                     await self._hole(piece, where)
 
-    async def _flush(self) -> None:
-        if self.pending:
-            text, self.pending = "".join(self.pending), []
-            await self.backend.extend(self.seq, text)
+    async def _flush(self, final: bool = False) -> None:
+        self.seq = await self.transcript.flush(self.backend, self.seq, final)
 
     async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> None:
         constraint = compile_hole_constraint(constraint_for_hole(where, hole.name), self._eval, self.backend.vocab)
-        self._assign(hole.name, await self._fill(hole, constraint))
+        value = await self._fill(hole, constraint)
+        self.transcript.generated(value)
+        self._assign(hole.name, value)
 
     async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
         """The hole's value, appended to the sequence (a beam decoder's run fills it its own way)."""
@@ -155,6 +171,7 @@ class Run:
         self.distribution = {o: w / total for o, w in zip(options, weights)}
         best = max(self.distribution, key=self.distribution.get)
         await self.backend.extend(self.seq, best)
+        self.transcript.generated(best)
         self._assign(dist.var, best)
 
     def _assign(self, name: str, value: str) -> None:

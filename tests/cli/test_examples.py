@@ -88,7 +88,7 @@ def test_chat_answers_in_the_chat_format(capsys, default_backend):
     assert set(variables) == {"ANSWER"} and "Paris" in answer and n_tokens(default_backend, answer) <= 47
     assert "<|im_end|>" not in answer  # the end-of-turn token ends the hole
     assert prompt == ("<|im_start|>system\nYou are a helpful assistant. Answer in one sentence.<|im_end|>\n"
-                      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n" + answer)
+                      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n")
 
 
 def test_chat_multi_turn_answers_each_question(capsys, default_backend):
@@ -101,6 +101,41 @@ def test_chat_multi_turn_answers_each_question(capsys, default_backend):
     answers = list(m.groups())
     assert all(a.strip() and n_tokens(default_backend, a) <= 39 for a in answers)
     assert variables == {"ANSWER": answers[-1]}  # the hole of the loop keeps its last value
+
+
+def test_chat_multi_turn_prefills_as_the_hand_written_template():
+    """The example with roles against the same chat in SmolLM2's markup by hand, each on a fresh backend of the
+    default model: the same prompt, and per turn the same tokens prefilled (each turn only its own text; the
+    history comes from the prefix cache)."""
+    import lmq_backend as lmq
+
+    by_hand = '''
+argmax
+    "<|im_start|>system\\nYou are a helpful assistant. Answer briefly.<|im_end|>\\n"
+    for question in questions:
+        "<|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n"
+        "[ANSWER]" where len(TOKENS(ANSWER)) < 40
+        "<|im_end|>\\n"
+'''
+    questions = ["Hi! Who are you?", "What can you do?", "What is 2 + 2?", "Thanks!", "Name a colour.", "Bye!"]
+    runs = []
+    for source in ((EXAMPLES / "chat_multi_turn.lmq").read_text(), by_hand):
+        backend = lmq.HFBackend("default")
+        prefilled = []
+        generate = backend.generate
+
+        async def counting(seq, state, sampler, backend=backend, generate=generate, prefilled=prefilled):
+            before = backend.stats().tokens_prefilled
+            value = await generate(seq, state, sampler)
+            prefilled.append(backend.stats().tokens_prefilled - before)
+            return value
+
+        backend.generate = counting
+        runs.append((lmq.Query(source, model=backend).run_sync(questions=questions).prompt, prefilled))
+        backend.close()
+    (prompt, prefilled), hand = runs
+    assert (prompt, prefilled) == hand and len(prefilled) == 6
+    assert all(n < 40 for n in prefilled[1:])  # a turn's own text, never the history again
 
 
 def test_packing_list_returns_its_items(capsys, default_backend):
