@@ -53,10 +53,12 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class Hole:
-    """`[NAME]`: a variable the model fills."""
+    """`[NAME]`: a variable the model fills; `[NAME: type]`: its value is of that type (`int`, `float`, `bool`,
+    `str`, a regex string, a dataclass, a pydantic model, ...) or the return value of a nested query."""
 
     name: str
     span: Span
+    type: PyExpr | None = None
 
 
 @dataclass(frozen=True, slots=True)

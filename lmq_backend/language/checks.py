@@ -24,7 +24,7 @@ from .ast import (
 )
 
 __all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
-           "iter_constraints", "iter_code"]
+           "iter_constraints", "iter_code", "bound_names"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
 
@@ -114,6 +114,8 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
             for p in s.pieces:
                 if isinstance(p, Interp):
                     yield p.expr
+                elif isinstance(p, Hole) and p.type is not None:
+                    yield p.type
             for leaf, _ in iter_constraints(s.where):
                 yield from _constraint_exprs(leaf)
         elif isinstance(s, Exec):
@@ -132,7 +134,8 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
         yield q.distribution.options
 
 
-def _bound_names(q: QueryAST) -> set[str]:
+def bound_names(q: QueryAST) -> set[str]:
+    """Names the query binds itself: holes, assignment and `for` targets."""
     bound = set(holes_of(q))
     for s in walk_stmts(q.body):
         if isinstance(s, Exec):
@@ -148,7 +151,7 @@ def free_names(q: QueryAST) -> set[str]:
     names: set[str] = set()
     for code in iter_code(q):
         names |= code.names
-    return names - _bound_names(q) - BUILTIN_NAMES
+    return names - bound_names(q) - BUILTIN_NAMES
 
 
 # ----- checks ---------------------------------------------------------------------------------------
@@ -220,9 +223,15 @@ def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[
                 f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")
 
     if inputs is not None:
-        allowed = set(inputs) | set(known_globals) | BUILTIN_NAMES | _bound_names(q)
+        allowed = set(inputs) | set(known_globals) | BUILTIN_NAMES | bound_names(q)
+        types = {id(h.type): h for h in _all_holes(q) if h.type is not None}
         for code in iter_code(q):
             unknown = sorted(code.names - allowed)
+            if unknown and id(code) in types:
+                h = types[id(code)]
+                raise LMQUnknownVariableError(
+                    f"unknown type {unknown[0]!r} of hole [{h.name}: {code.source}] at {_pos(code.span)}: it is not "
+                    f"an input, a global or a variable of the query")
             if unknown:
                 name = unknown[0]
                 known = ", ".join(sorted(inputs)) if inputs else "none"

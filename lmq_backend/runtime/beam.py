@@ -49,8 +49,9 @@ class Filled:
     text: str
 
 
-class _AtHole(Exception):
-    """A replay reached the first hole it has no value for."""
+class _AtHole(BaseException):
+    """A replay reached the first hole it has no value for (a BaseException: the query's own `try` does not
+    catch it)."""
 
 
 @dataclass
@@ -61,13 +62,13 @@ class _Replay(Run):
     consumed: int = 0
     stopped: tuple[Sequence, HoleConstraint] | None = None
 
-    async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
+    async def _fill(self, seq: Sequence, hole: ast.Hole, constraint: HoleConstraint) -> str:
         if self.consumed < len(self.values):
             value = self.values[self.consumed]
             self.consumed += 1
-            self.backend.append(self.seq, list(value.ids), value.text)
+            self.backend.append(seq, list(value.ids), value.text)
             return value.text
-        self.stopped = (self.backend.fork(self.seq), constraint)
+        self.stopped = (self.backend.fork(seq), constraint)
         raise _AtHole()
 
 

@@ -8,16 +8,18 @@ renders the conversation.
 """
 from __future__ import annotations
 
+import ast as pyast
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend.protocol import Backend
+from ..backend.protocol import Backend, Sequence
 from ..errors import LMQCompileError, LMQError, LMQRuntimeError
 from ..language import ast
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
 from .decoders import Sampler
 from .transcript import ChatTranscript, Transcript
+from .typed import build_value, hole_type
 
 
 @dataclass
@@ -51,9 +53,15 @@ class _Continue(Exception):
     pass
 
 
+MAX_NESTING = 32
+"""How deep nested queries may go (a query that nests itself without end fails at this depth)."""
+
+
 @dataclass
 class Run:
-    """The state of one query call on one backend sequence."""
+    """The state of one query call on one backend sequence. A nested query's run (`nest`) works on a fork of
+    its parent's sequence and a copy of its transcript; `root` is the outermost run, which fills every hole
+    (a beam decoder's run fills them its own way: beam.py)."""
 
     query: ast.QueryAST
     backend: Backend
@@ -63,23 +71,30 @@ class Run:
     max_len: int
     variables: dict[str, Any] = field(default_factory=dict)
     distribution: dict[str, float] | None = None
+    depth: int = 0
+    root: "Run | None" = None
+    written: list[str] | None = None  # a nested run's: the text it writes (X of a nested query without return)
 
     async def execute(self) -> Result:
         self.transcript = self._transcript()
         self.seq = self.backend.sequence(self.template, self.max_len)
-        value = None
         try:
-            try:
-                await self._block(self.query.body)
-            except _Return as r:
-                value = r.value
-            except (_Break, _Continue):
-                raise LMQRuntimeError("`break`/`continue` outside a loop") from None
+            value = await self._body()
             await self._flush(final=True)
         finally:
             self.backend.release(self.seq)
         return Result(prompt=self.seq.text, variables=dict(self.variables), distribution=self.distribution,
                       value=value, rerenders=getattr(self.transcript, "rerenders", 0))
+
+    async def _body(self) -> Any:
+        """Run the statements; the value the query returned (None if it did not)."""
+        try:
+            await self._block(self.query.body)
+        except _Return as r:
+            return r.value
+        except (_Break, _Continue):
+            raise LMQRuntimeError("`break`/`continue` outside a loop") from None
+        return None
 
     def _transcript(self) -> Transcript:
         if not self.query.chat:
@@ -136,28 +151,91 @@ class Run:
                                   f"{{:assistant}})")
         for piece in stmt.pieces:
             if isinstance(piece, ast.Text):
-                self.transcript.write(piece.text)
+                self._write(piece.text)
             elif isinstance(piece, ast.Interp):
-                self.transcript.write(str(self._eval(piece.expr)))
+                self._write(str(self._eval(piece.expr)))
             else:
-                await self._flush()
                 if self.query.distribution is not None and piece.name == self.query.distribution.var:
+                    await self._flush()
                     await self._distribution(self.query.distribution)
                 else:
                     await self._hole(piece, where)
+
+    def _write(self, text: str) -> None:
+        self.transcript.write(text)
+        if self.written is not None:
+            self.written.append(text)
+
+    def _generated(self, text: str) -> None:
+        self.transcript.generated(text)
+        if self.written is not None:
+            self.written.append(text)
 
     async def _flush(self, final: bool = False) -> None:
         self.seq = await self.transcript.flush(self.backend, self.seq, final)
 
     async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> None:
-        constraint = compile_hole_constraint(constraint_for_hole(where, hole.name), self._eval, self.backend.vocab)
-        value = await self._fill(hole, constraint)
-        self.transcript.generated(value)
-        self._assign(hole.name, value)
+        c = constraint_for_hole(where, hole.name)
+        typed = None
+        if hole.type is not None:
+            t, call = self._hole_type_value(hole)
+            if is_query(t):
+                self._assign(hole.name, await self._nest(hole, t, *(call or ((), {}))))
+                return
+            if call is not None:
+                t = t(*call[0], **call[1])
+            typed = hole_type(t, hole)
+            if typed.constraint is not None:
+                c = typed.constraint if c is None else ast.And((typed.constraint, c))
+        constraint = compile_hole_constraint(c, self._eval, self.backend.vocab)
+        await self._flush()
+        text = await (self.root or self)._fill(self.seq, hole, constraint)
+        self._generated(text)
+        self._assign(hole.name, text if typed is None else build_value(typed, text, hole))
 
-    async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
-        """The hole's value, appended to the sequence (a beam decoder's run fills it its own way)."""
-        return await self.backend.generate(self.seq, constraint.start(), self.sampler)
+    async def _fill(self, seq: Sequence, hole: ast.Hole, constraint: HoleConstraint) -> str:
+        """The hole's value, appended to `seq` (a beam decoder's run fills it its own way)."""
+        return await self.backend.generate(seq, constraint.start(), self.sampler)
+
+    def _hole_type_value(self, hole: ast.Hole) -> tuple[Any, tuple[tuple, dict] | None]:
+        """The value of the hole's type; for a call `f(args)`, the value of `f` and the arguments, uncalled
+        (`[X: one_of(options)]` runs the query `one_of` with `options`)."""
+        parts = call_parts(hole.type)
+        if parts is None:
+            return self._eval(hole.type), None
+        func, args = parts
+        return self._eval(func), self._eval(args)
+
+    async def _nest(self, hole: ast.Hole, query: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a nested query on a fork of the sequence, with a copy of the transcript (the text not sent yet
+        included, so that a nested prompt is tokenized as the same text written in the outer query is): its
+        prompt is context while it runs; if it returns a value, its prompt is hidden afterwards and the outer
+        prompt goes on with the value's text (the value is X), else its prompt stays, and X is the text it
+        wrote (LMQL's semantics)."""
+        if self.depth >= MAX_NESTING:
+            raise LMQRuntimeError(f"line {hole.span.line}: hole [{hole.name}: {hole.type.source}]: nested queries "
+                                  f"go deeper than {MAX_NESTING} levels (a query that nests itself without end?)")
+        child = query.nested(self, args, kwargs)
+        child.depth, child.root, child.written = self.depth + 1, self.root or self, []
+        child.transcript = self.transcript.copy()
+        child.seq = self.backend.fork(self.seq)
+        try:
+            value = await child._body()
+            if not query.returns:
+                await child._flush()
+        except BaseException:
+            self.backend.release(child.seq)
+            raise
+        if query.returns:
+            self.backend.release(child.seq)
+            self._write(str(value))
+            return value
+        self.backend.release(self.seq)
+        self.seq, self.transcript = child.seq, child.transcript
+        written = "".join(child.written)
+        if self.written is not None:
+            self.written.append(written)
+        return written
 
     async def _distribution(self, dist: ast.Distribution) -> None:
         options = self._eval(dist.options)
@@ -171,7 +249,7 @@ class Run:
         self.distribution = {o: w / total for o, w in zip(options, weights)}
         best = max(self.distribution, key=self.distribution.get)
         await self.backend.extend(self.seq, best)
-        self.transcript.generated(best)
+        self._generated(best)
         self._assign(dist.var, best)
 
     def _assign(self, name: str, value: str) -> None:
@@ -199,6 +277,31 @@ class Run:
                 f"line {stmt.span.line}: `{stmt.source}` raised {type(e).__name__}: {e}") from e
         for name in stmt.assigned & self.variables.keys():
             self.variables[name] = self.env[name]
+
+
+def is_query(value: Any) -> bool:
+    """Whether `value` is a query that a hole's type may name (`Query`: query.py)."""
+    return callable(getattr(value, "nested", None)) and hasattr(value, "returns")
+
+
+_CALL_PARTS: dict[ast.PyExpr, tuple[ast.PyExpr, ast.PyExpr] | None] = {}
+
+
+def call_parts(expr: ast.PyExpr) -> tuple[ast.PyExpr, ast.PyExpr] | None:
+    """For a call `f(a, k=b)`: `f`, and an expression whose value is `((a,), {"k": b})`; else None."""
+    if expr in _CALL_PARTS:
+        return _CALL_PARTS[expr]
+    node = pyast.parse(expr.source.strip(), mode="eval").body
+    parts = None
+    if isinstance(node, pyast.Call):
+        pack = pyast.Lambda(pyast.arguments([], [], pyast.arg("a"), [], [], pyast.arg("k"), []),
+                            pyast.Tuple([pyast.Name("a", pyast.Load()), pyast.Name("k", pyast.Load())], pyast.Load()))
+        func, args = pyast.unparse(node.func), pyast.unparse(pyast.Call(pack, node.args, node.keywords))
+        parts = tuple(ast.PyExpr(src, compile(src, "<lmq>", "eval"), expr.names, expr.span) for src in (func, args))
+    if len(_CALL_PARTS) > 4096:
+        _CALL_PARTS.clear()
+    _CALL_PARTS[expr] = parts
+    return parts
 
 
 def _conjoin(a: ast.Constraint | None, b: ast.Constraint | None) -> ast.Constraint | None:

@@ -68,7 +68,7 @@ def test_caret_message_format():
         parse_query('argmax\n    "Q: [ANSWER"\n')
     text = str(info.value)
     assert text.splitlines() == [
-        "'[' must start a hole [NAME] (write '[[' for a literal '[') (line 2, column 9)",
+        "'[' must start a hole [NAME] or [NAME: type] (write '[[' for a literal '[') (line 2, column 9)",
         '        "Q: [ANSWER"',
         "            ^",
     ]
