@@ -7,7 +7,7 @@
   name that is not an input, a known global or a builtin;
 - `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
 - `LMQNotSupportedError` for an unknown decoder or an unknown decoder argument;
-- `LMQCompileError` when `distribution VAR` is not the last hole of the body.
+- `LMQUnknownVariableError` when an inline `distribution VAR in [..]` names no hole of its own prompt string.
 """
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import builtins
 from typing import Iterator
 
 from ..errors import (
-    LMQCompileError, LMQConstraintConflictError, LMQNotSupportedError, LMQUnknownVariableError,
+    LMQConstraintConflictError, LMQNotSupportedError, LMQUnknownVariableError,
 )
 from .ast import (
     And, Call, Choice, Constraint, Contains, Exec, For, Hole, If, Interp, LenLimit, Not, Or, Prompt, PyExpr,
-    PyStmt, QueryAST, Return, Stmt,
+    PyStmt, QueryAST, Return, Stmt, Try, While, With,
 )
 
 __all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
-           "iter_constraints", "iter_code", "bound_names"]
+           "bodies", "iter_constraints", "iter_code", "bound_names"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
 
@@ -46,15 +46,24 @@ def _pos(span) -> str:
 # ----- walks ----------------------------------------------------------------------------------------
 
 def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
-    """Every statement, in source order, recursively through if/for bodies."""
+    """Every statement, in source order, recursively through the bodies of compound statements."""
     for s in body:
         yield s
-        if isinstance(s, If):
-            for _, b in s.branches:
-                yield from walk_stmts(b)
-            yield from walk_stmts(s.orelse)
-        elif isinstance(s, For):
-            yield from walk_stmts(s.body)
+        for b in bodies(s):
+            yield from walk_stmts(b)
+
+
+def bodies(s: Stmt) -> list[tuple[Stmt, ...]]:
+    """The bodies a statement holds, in source order."""
+    if isinstance(s, If):
+        return [b for _, b in s.branches] + [s.orelse]
+    if isinstance(s, (For, While)):
+        return [s.body, s.orelse]
+    if isinstance(s, Try):
+        return [s.body, *(h.body for h in s.handlers), s.orelse, s.finalbody]
+    if isinstance(s, With):
+        return [s.body]
+    return []
 
 
 def _all_holes(q: QueryAST) -> list:
@@ -118,6 +127,8 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
                     yield p.type
             for leaf, _ in iter_constraints(s.where):
                 yield from _constraint_exprs(leaf)
+            if s.distribution is not None:
+                yield s.distribution.options
         elif isinstance(s, Exec):
             yield s.stmt
         elif isinstance(s, If):
@@ -126,6 +137,15 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
         elif isinstance(s, For):
             yield s.iter
             yield s.target
+        elif isinstance(s, While):
+            yield s.test
+        elif isinstance(s, Try):
+            yield from (h.type for h in s.handlers if h.type is not None)
+        elif isinstance(s, With):
+            for item in s.items:
+                yield item.context
+                if item.target is not None:
+                    yield item.target
         elif isinstance(s, Return) and s.value is not None:
             yield s.value
     for leaf, _ in iter_constraints(q.where):
@@ -142,6 +162,10 @@ def bound_names(q: QueryAST) -> set[str]:
             bound |= s.stmt.assigned
         elif isinstance(s, For):
             bound |= s.target.assigned
+        elif isinstance(s, Try):
+            bound |= {h.name for h in s.handlers if h.name is not None}
+        elif isinstance(s, With):
+            bound |= {n for item in s.items if item.target is not None for n in item.target.assigned}
     return bound
 
 
@@ -213,11 +237,18 @@ def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[
         if dist.var not in hole_set:
             raise LMQUnknownVariableError(
                 f"distribution at {_pos(dist.span)}: {dist.var!r} is not a hole of this query (holes: {listing})")
-        last = _all_holes(q)[-1].name
-        if dist.var != last:
-            raise LMQCompileError(
-                f"distribution at {_pos(dist.span)}: {dist.var!r} must be the last hole of the query body "
-                f"(the last hole is {last!r})")
+        if _is_empty_literal(dist.options):
+            raise LMQConstraintConflictError(
+                f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")
+    for s in walk_stmts(q.body):
+        dist = s.distribution if isinstance(s, Prompt) else None
+        if dist is None:
+            continue
+        own = [p.name for p in s.pieces if isinstance(p, Hole)]
+        if dist.var not in own:
+            raise LMQUnknownVariableError(
+                f"distribution at {_pos(dist.span)}: {dist.var!r} is not a hole of its prompt string "
+                f"(its holes: {', '.join(own) or 'none'})")
         if _is_empty_literal(dist.options):
             raise LMQConstraintConflictError(
                 f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")

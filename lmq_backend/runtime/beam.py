@@ -36,6 +36,7 @@ from typing import Any
 from ..backend.protocol import Backend, NextTokens, Sequence
 from ..errors import LMQLengthError, LMQRuntimeError
 from ..language import ast
+from ..language.codegen import Program
 from .constraints import HoleConstraint, HoleState
 from .decoders import DecoderSpec, Greedy
 from .interpreter import Result, Run
@@ -99,8 +100,8 @@ class _Value:
 class BeamSearch:
     """One call of a query under a beam decoder: `await BeamSearch(...).run()` -> results, best first."""
 
-    def __init__(self, query: ast.QueryAST, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
-        self.query, self.backend, self.env, self.spec, self.template = query, backend, env, spec, template
+    def __init__(self, program: Program, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
+        self.program, self.backend, self.env, self.spec, self.template = program, backend, env, spec, template
         self.held: set[_Beam] = set()  # beams holding a sequence (a cached prefix) on the backend
         self.error: Exception | None = None
 
@@ -292,7 +293,7 @@ class BeamSearch:
     async def _replay(self, value: _Value) -> _Beam | Result | None:
         """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result);
         None if its prompt outgrows max_len (that beam ends there, the others go on)."""
-        run = _Replay(query=self.query, backend=self.backend, env=dict(self.env), sampler=Greedy(),
+        run = _Replay(program=self.program, backend=self.backend, env=dict(self.env), sampler=Greedy(),
                       template=self.template, max_len=self.spec.max_len, values=value.values)
         try:
             result = await run.execute()

@@ -1,21 +1,25 @@
-"""Runs one call of a compiled query: walks the statements, sends prompt text to the backend, fills
-holes under their constraints, scores a `distribution`.
+"""Runs one call of a compiled query: the query's body compiled to a Python coroutine function
+(`language/codegen.py`) runs with the call's `Run` as its `__lmq__`; the Run sends prompt text to the
+backend, fills holes under their constraints (typed holes, nested queries), scores distributions.
 
-Python inside a query runs in one dict, `env`: the caller's globals, the inputs, the variables the
-query assigns and the holes it has filled. What the query writes goes to the backend through its
-transcript (`transcript.py`): as written, or for a query with role tags, as the model's chat template
-renders the conversation.
+The body's names are globals of one dict, `env`: the defining scope, the inputs, the variables the query
+assigns and the holes it has filled; constraints' arguments are evaluated in it. What the query writes goes
+to the backend through its transcript (`transcript.py`): as written, or for a query with role tags, as the
+model's chat template renders the conversation. A Python exception in the query's code fails the call with
+an LMQRuntimeError naming the query's line.
 """
 from __future__ import annotations
 
 import ast as pyast
 import math
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 from ..backend.protocol import Backend, Sequence
 from ..errors import LMQCompileError, LMQError, LMQRuntimeError
 from ..language import ast
+from ..language.codegen import FUNCTION, Program
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
 from .decoders import Sampler
 from .transcript import ChatTranscript, Transcript
@@ -40,19 +44,6 @@ class Result:
         return self.variables[name]
 
 
-class _Return(Exception):
-    def __init__(self, value):
-        self.value = value
-
-
-class _Break(Exception):
-    pass
-
-
-class _Continue(Exception):
-    pass
-
-
 MAX_NESTING = 32
 """How deep nested queries may go (a query that nests itself without end fails at this depth)."""
 
@@ -63,7 +54,7 @@ class Run:
     its parent's sequence and a copy of its transcript; `root` is the outermost run, which fills every hole
     (a beam decoder's run fills them its own way: beam.py)."""
 
-    query: ast.QueryAST
+    program: Program
     backend: Backend
     env: dict[str, Any]
     sampler: Sampler
@@ -86,15 +77,23 @@ class Run:
         return Result(prompt=self.seq.text, variables=dict(self.variables), distribution=self.distribution,
                       value=value, rerenders=getattr(self.transcript, "rerenders", 0))
 
+    @property
+    def query(self) -> ast.QueryAST:
+        return self.program.query
+
     async def _body(self) -> Any:
-        """Run the statements; the value the query returned (None if it did not)."""
+        """Run the query's body (its compiled function, with this run as `__lmq__`); the value it returned."""
+        body = FunctionType(self.program.code, self.env, FUNCTION)
         try:
-            await self._block(self.query.body)
-        except _Return as r:
-            return r.value
-        except (_Break, _Continue):
-            raise LMQRuntimeError("`break`/`continue` outside a loop") from None
-        return None
+            value = await body(self)
+        except LMQError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: fails this call, at its line
+            raise _located(e, self.program) from e
+        for name in self.variables:  # a hole's variable the query assigned again
+            if name in self.env:
+                self.variables[name] = self.env[name]
+        return value
 
     def _transcript(self) -> Transcript:
         if not self.query.chat:
@@ -105,61 +104,36 @@ class Run:
                                   f"chat_template is not set): role tags such as {{:user}} need one")
         return ChatTranscript(render)
 
-    # ----- statements ---------------------------------------------------------------------------------
+    # ----- what the compiled body calls (language/codegen.py) -----------------------------------------
 
-    async def _block(self, stmts: tuple[ast.Stmt, ...]) -> None:
-        for stmt in stmts:
-            await self._stmt(stmt)
-
-    async def _stmt(self, stmt: ast.Stmt) -> None:
-        if isinstance(stmt, ast.Prompt):
-            await self._prompt(stmt)
-        elif isinstance(stmt, ast.Exec):
-            self._exec(stmt.stmt)
-        elif isinstance(stmt, ast.If):
-            for test, body in stmt.branches:
-                if self._eval(test):
-                    await self._block(body)
-                    return
-            await self._block(stmt.orelse)
-        elif isinstance(stmt, ast.For):
-            for item in self._eval(stmt.iter):
-                self.env["__lmq_item__"] = item
-                self._exec(stmt.target)
-                try:
-                    await self._block(stmt.body)
-                except _Break:
-                    break
-                except _Continue:
-                    continue
-        elif isinstance(stmt, ast.Return):
-            raise _Return(None if stmt.value is None else self._eval(stmt.value))
-        elif isinstance(stmt, ast.Break):
-            raise _Break()
-        elif isinstance(stmt, ast.Continue):
-            raise _Continue()
-        else:  # pragma: no cover - the parser produces nothing else
-            raise LMQRuntimeError(f"unknown statement {stmt!r}")
-
-    async def _prompt(self, stmt: ast.Prompt) -> None:
-        where = _conjoin(stmt.where, self.query.where)
+    def prompt(self, k: int) -> None:
+        """Prompt statement k begins: it may open a chat message."""
+        stmt = self.program.prompts[k]
         if stmt.role is not None:
             self.transcript.open(stmt.role)
         elif stmt.pieces and not self.transcript.has_message:
             raise LMQRuntimeError(f"line {stmt.span.line}: prompt text before any role tag: in a query with role "
                                   f"tags, every prompt string belongs to a message ({{:system}}, {{:user}}, "
                                   f"{{:assistant}})")
-        for piece in stmt.pieces:
-            if isinstance(piece, ast.Text):
-                self._write(piece.text)
-            elif isinstance(piece, ast.Interp):
-                self._write(str(self._eval(piece.expr)))
-            else:
-                if self.query.distribution is not None and piece.name == self.query.distribution.var:
-                    await self._flush()
-                    await self._distribution(self.query.distribution)
-                else:
-                    await self._hole(piece, where)
+
+    def write(self, text: str) -> None:
+        """Template text."""
+        self._write(text)
+
+    def interp(self, value: Any) -> None:
+        """An interpolated value: its str(), as literal text."""
+        self._write(str(value))
+
+    async def hole(self, k: int, i: int) -> Any:
+        """The value of piece i of prompt statement k, a hole: generated, scored (a distribution), or a nested
+        query's."""
+        stmt = self.program.prompts[k]
+        piece = stmt.pieces[i]
+        for dist in (stmt.distribution, self.query.distribution):
+            if dist is not None and dist.var == piece.name:
+                await self._flush()
+                return await self._distribution(dist)
+        return await self._hole(piece, _conjoin(stmt.where, self.query.where))
 
     def _write(self, text: str) -> None:
         self.transcript.write(text)
@@ -174,14 +148,13 @@ class Run:
     async def _flush(self, final: bool = False) -> None:
         self.seq = await self.transcript.flush(self.backend, self.seq, final)
 
-    async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> None:
+    async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> Any:
         c = constraint_for_hole(where, hole.name)
         typed = None
         if hole.type is not None:
             t, call = self._hole_type_value(hole)
             if is_query(t):
-                self._assign(hole.name, await self._nest(hole, t, *(call or ((), {}))))
-                return
+                return self._assign(hole.name, await self._nest(hole, t, *(call or ((), {}))))
             if call is not None:
                 t = t(*call[0], **call[1])
             typed = hole_type(t, hole)
@@ -191,7 +164,7 @@ class Run:
         await self._flush()
         text = await (self.root or self)._fill(self.seq, hole, constraint)
         self._generated(text)
-        self._assign(hole.name, text if typed is None else build_value(typed, text, hole))
+        return self._assign(hole.name, text if typed is None else build_value(typed, text, hole))
 
     async def _fill(self, seq: Sequence, hole: ast.Hole, constraint: HoleConstraint) -> str:
         """The hole's value, appended to `seq` (a beam decoder's run fills it its own way)."""
@@ -237,7 +210,7 @@ class Run:
             self.written.append(written)
         return written
 
-    async def _distribution(self, dist: ast.Distribution) -> None:
+    async def _distribution(self, dist: ast.Distribution) -> str:
         options = self._eval(dist.options)
         options = [options] if isinstance(options, str) else list(options)
         if not options or not all(isinstance(o, str) for o in options):
@@ -250,11 +223,12 @@ class Run:
         best = max(self.distribution, key=self.distribution.get)
         await self.backend.extend(self.seq, best)
         self._generated(best)
-        self._assign(dist.var, best)
+        return self._assign(dist.var, best)
 
-    def _assign(self, name: str, value: str) -> None:
-        self.env[name] = value
+    def _assign(self, name: str, value: Any) -> Any:
+        """Record a hole's value (the compiled body assigns it to the variable)."""
         self.variables[name] = value
+        return value
 
     # ----- Python -------------------------------------------------------------------------------------
 
@@ -267,16 +241,20 @@ class Run:
             raise LMQRuntimeError(
                 f"line {expr.span.line}: `{expr.source}` raised {type(e).__name__}: {e}") from e
 
-    def _exec(self, stmt: ast.PyStmt) -> None:
-        try:
-            exec(stmt.code, self.env)  # noqa: S102
-        except LMQError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise LMQRuntimeError(
-                f"line {stmt.span.line}: `{stmt.source}` raised {type(e).__name__}: {e}") from e
-        for name in stmt.assigned & self.variables.keys():
-            self.variables[name] = self.env[name]
+
+
+def _located(e: Exception, program: Program) -> LMQRuntimeError:
+    """A Python exception of the query's code, as an error naming the query's line."""
+    line, tb = 0, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == program.filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    lines = program.query.source.splitlines()
+    text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    if isinstance(e, TypeError) and "can't be used in 'await' expression" in str(e):
+        return LMQRuntimeError(f"line {line}: `{text}`: `await` on a value that is not awaitable ({e})")
+    return LMQRuntimeError(f"line {line}: `{text}` raised {type(e).__name__}: {e}")
 
 
 def is_query(value: Any) -> bool:

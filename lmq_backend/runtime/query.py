@@ -16,6 +16,7 @@ from ..backend.registry import get_backend
 from ..errors import LMQCompileError, LMQInputError, LMQUnknownVariableError
 from ..language import ast, check_query, free_names, parse_query
 from ..language.checks import BUILTIN_NAMES, bound_names, walk_stmts
+from ..language.codegen import compile_program
 from .constraints import NOT_LITERAL, check_constraint
 from .decoders import DecoderSpec
 from .beam import BeamSearch
@@ -43,15 +44,9 @@ def evaluate_literal(expr: ast.PyExpr) -> Any:
 
 
 def _constraints(stmts: Iterable[ast.Stmt]):
-    for stmt in stmts:
+    for stmt in walk_stmts(tuple(stmts)):
         if isinstance(stmt, ast.Prompt) and stmt.where is not None:
             yield stmt.where
-        elif isinstance(stmt, ast.If):
-            for _, body in stmt.branches:
-                yield from _constraints(body)
-            yield from _constraints(stmt.orelse)
-        elif isinstance(stmt, ast.For):
-            yield from _constraints(stmt.body)
 
 
 class Query:
@@ -76,6 +71,7 @@ class Query:
         self.name = name or first[:60]
         self._needs = free_names(self.ast) - set(dir(builtins))
         self._returns = _has_return(self.ast.body)
+        self.program = compile_program(self.ast, self.name)
         self._check_types()
 
     def _check_types(self) -> None:
@@ -107,10 +103,10 @@ class Query:
         backend = backend or self.backend
         started = time.perf_counter()
         if self.decoder.beam:  # n results, best first, whatever n is (LMQL returns a list for beams)
-            results = await BeamSearch(self.ast, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
+            results = await BeamSearch(self.program, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
             backend.record_call(self.name, time.perf_counter() - started)
             return [r.value if self._returns else r for r in results]
-        runs = [Run(query=self.ast, backend=backend, env={**self.scope, **inputs},
+        runs = [Run(program=self.program, backend=backend, env={**self.scope, **inputs},
                     sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
                 for i in range(self.decoder.n)]
         # one run: awaited in this task (a task of its own per call costs more than the call's bookkeeping)
@@ -142,7 +138,7 @@ class Query:
         sampler and max_len; the parent gives it its sequence and transcript (`Run._nest`)."""
         inputs = self._bind(args, kwargs)
         self._check_inputs(inputs, "nested query")
-        return Run(query=self.ast, backend=parent.backend, env={**self.scope, **inputs}, sampler=parent.sampler,
+        return Run(program=self.program, backend=parent.backend, env={**self.scope, **inputs}, sampler=parent.sampler,
                    template=self.name, max_len=parent.max_len)
 
     async def __call__(self, *args, **kwargs):
@@ -192,14 +188,7 @@ class Query:
 
 
 def _has_return(stmts) -> bool:
-    for s in stmts:
-        if isinstance(s, ast.Return):
-            return True
-        if isinstance(s, ast.If) and (any(_has_return(b) for _, b in s.branches) or _has_return(s.orelse)):
-            return True
-        if isinstance(s, ast.For) and _has_return(s.body):
-            return True
-    return False
+    return any(isinstance(s, ast.Return) for s in walk_stmts(tuple(stmts)))
 
 
 def _run_sync(coro):

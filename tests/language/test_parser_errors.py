@@ -136,9 +136,9 @@ def test_known_decoder_arguments():
 
 
 def test_distribution_errors():
-    with pytest.raises(LMQCompileError) as info:
-        parse_and_check('"a[X][Y]"\ndistribution X in ["a"]')
-    assert "last hole" in str(info.value)
+    parse_and_check('"a[X][Y]"\ndistribution X in ["a"]')  # any hole, not only the last
+    with pytest.raises(LMQUnknownVariableError, match="not a hole of its prompt string"):
+        parse_and_check('"a[X]"\n"b[Y]" distribution X in ["a"]')
     with pytest.raises(LMQUnknownVariableError):
         parse_and_check('"a[X]"\ndistribution Z in ["a"]')
     with pytest.raises(LMQCompileError):
