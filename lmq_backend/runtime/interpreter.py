@@ -22,6 +22,7 @@ from ..language import ast
 from ..language.codegen import FUNCTION, Program
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
 from .decoders import Sampler
+from .stream import Emit, HoleStream, StreamEvent
 from .transcript import ChatTranscript, Transcript
 from .typed import build_value, hole_type
 
@@ -65,6 +66,9 @@ class Run:
     depth: int = 0
     root: "Run | None" = None
     written: list[str] | None = None  # a nested run's: the text it writes (X of a nested query without return)
+    stream: Emit | None = None  # where a streamed call's events go (stream.py)
+    index: int = 0  # which of a call's results this run is (sample(n > 1))
+    role: str | None = None  # the chat message open now
 
     async def execute(self) -> Result:
         self.transcript = self._transcript()
@@ -111,6 +115,9 @@ class Run:
         stmt = self.program.prompts[k]
         if stmt.role is not None:
             self.transcript.open(stmt.role)
+            self.role = stmt.role
+            if self.stream is not None:
+                self.stream(StreamEvent(None, "", stmt.role, self.index))
         elif stmt.pieces and not self.transcript.has_message:
             raise LMQRuntimeError(f"line {stmt.span.line}: prompt text before any role tag: in a query with role "
                                   f"tags, every prompt string belongs to a message ({{:system}}, {{:user}}, "
@@ -135,15 +142,21 @@ class Run:
                 return await self._distribution(dist)
         return await self._hole(piece, _conjoin(stmt.where, self.query.where))
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str, variable: str | None = None) -> None:
+        """Prompt text (`variable`: the nested query whose value it is)."""
         self.transcript.write(text)
         if self.written is not None:
             self.written.append(text)
+        if self.stream is not None and text:
+            self.stream(StreamEvent(variable, text, None if variable else self.role, self.index))
 
-    def _generated(self, text: str) -> None:
+    def _generated(self, text: str, variable: str | None = None) -> None:
+        """A value the backend appended to the sequence (`variable`: a distribution's, streamed at once)."""
         self.transcript.generated(text)
         if self.written is not None:
             self.written.append(text)
+        if self.stream is not None and variable is not None:
+            self.stream(StreamEvent(variable, text, index=self.index))
 
     async def _flush(self, final: bool = False) -> None:
         self.seq = await self.transcript.flush(self.backend, self.seq, final)
@@ -168,7 +181,16 @@ class Run:
 
     async def _fill(self, seq: Sequence, hole: ast.Hole, constraint: HoleConstraint) -> str:
         """The hole's value, appended to `seq` (a beam decoder's run fills it its own way)."""
-        return await self.backend.generate(seq, constraint.start(), self.sampler)
+        state = constraint.start()
+        if self.stream is None:
+            return await self.backend.generate(seq, state, self.sampler)
+        seq.on_token = stream = HoleStream(self.stream, hole.name, constraint, state, self.index)
+        try:
+            value = await self.backend.generate(seq, state, self.sampler)
+        finally:
+            seq.on_token = None
+        stream.finish(value)
+        return value
 
     def _hole_type_value(self, hole: ast.Hole) -> tuple[Any, tuple[tuple, dict] | None]:
         """The value of the hole's type; for a call `f(args)`, the value of `f` and the arguments, uncalled
@@ -190,6 +212,7 @@ class Run:
                                   f"go deeper than {MAX_NESTING} levels (a query that nests itself without end?)")
         child = query.nested(self, args, kwargs)
         child.depth, child.root, child.written = self.depth + 1, self.root or self, []
+        child.stream, child.index, child.role = self.stream, self.index, self.role
         child.transcript = self.transcript.copy()
         child.seq = self.backend.fork(self.seq)
         try:
@@ -201,7 +224,7 @@ class Run:
             raise
         if query.returns:
             self.backend.release(child.seq)
-            self._write(str(value))
+            self._write(str(value), hole.name)
             return value
         self.backend.release(self.seq)
         self.seq, self.transcript = child.seq, child.transcript
@@ -222,7 +245,7 @@ class Run:
         self.distribution = {o: w / total for o, w in zip(options, weights)}
         best = max(self.distribution, key=self.distribution.get)
         await self.backend.extend(self.seq, best)
-        self._generated(best)
+        self._generated(best, dist.var)
         return self._assign(dist.var, best)
 
     def _assign(self, name: str, value: Any) -> Any:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import ast as pyast
 import asyncio
 import builtins
+import contextlib
 import inspect
 import textwrap
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from ..backend.protocol import Backend
 from ..backend.registry import get_backend
@@ -21,6 +22,7 @@ from .constraints import NOT_LITERAL, check_constraint
 from .decoders import DecoderSpec
 from .beam import BeamSearch
 from .interpreter import Run, call_parts, is_query
+from .stream import Emit, StreamEvent
 from .typed import hole_type
 
 _LITERAL_CALLS = {"set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sorted": sorted}
@@ -97,8 +99,9 @@ class Query:
     def backend(self) -> Backend:
         return self.model if isinstance(self.model, Backend) else get_backend(self.model)
 
-    async def run(self, inputs: dict[str, Any], backend: Backend | None = None):
-        """Run once with `inputs`; returns a Result, the query's return value, or a list of them for n > 1."""
+    async def run(self, inputs: dict[str, Any], backend: Backend | None = None, stream: Emit | None = None):
+        """Run once with `inputs`; returns a Result, the query's return value, or a list of them for n > 1.
+        `stream`: called with each StreamEvent of the call but the last (`Query.stream`)."""
         self._check_inputs(inputs, "query")
         backend = backend or self.backend
         started = time.perf_counter()
@@ -107,7 +110,8 @@ class Query:
             backend.record_call(self.name, time.perf_counter() - started)
             return [r.value if self._returns else r for r in results]
         runs = [Run(program=self.program, backend=backend, env={**self.scope, **inputs},
-                    sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
+                    sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len,
+                    stream=stream, index=i)
                 for i in range(self.decoder.n)]
         # one run: awaited in this task (a task of its own per call costs more than the call's bookkeeping)
         results = [await runs[0].execute()] if len(runs) == 1 else await asyncio.gather(*(r.execute() for r in runs))
@@ -143,6 +147,23 @@ class Query:
 
     async def __call__(self, *args, **kwargs):
         return await self.run(self._bind(args, kwargs))
+
+    async def stream(self, *args, **kwargs) -> AsyncIterator[StreamEvent]:
+        """Run once, yielding StreamEvents as the prompt is written and its holes' tokens are decided, then a
+        last event (`done`) with the result (runtime/stream.py). Closing or cancelling the iterator cancels
+        the call (its cached prefixes are released)."""
+        events: asyncio.Queue = asyncio.Queue()
+        call = asyncio.ensure_future(self.run(self._bind(args, kwargs), stream=events.put_nowait))
+        call.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+            yield StreamEvent(done=True, result=call.result())
+        finally:
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await call
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         if self.signature is None:
