@@ -33,6 +33,7 @@ DECODER_ARGS: dict[str, frozenset[str]] = {
     "argmax": frozenset({"max_len"}),
     "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len"}),
     "beam": frozenset({"n", "max_len"}),
+    "beam_sample": frozenset({"n", "temperature", "seed", "max_len"}),
     "beam_var": frozenset({"n", "max_len"}),
     "var": frozenset({"b", "n", "max_len"}),
     "best_k": frozenset({"k", "budget", "kappa", "beta", "gamma", "max_heap_size", "top_k_continuations", "max_len"}),

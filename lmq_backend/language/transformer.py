@@ -28,7 +28,7 @@ class _PendingWhere:
         self.py = py
 
 
-_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_var", "var", "best_k"}
+_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_sample", "beam_var", "var", "best_k"}
 
 
 @v_args(meta=True)
