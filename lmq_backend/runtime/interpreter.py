@@ -32,7 +32,8 @@ class Result:
     """One result of a query call: the filled prompt, the variables, the distribution if any; for a beam
     decoder, `score`: the sum of the log-probabilities of the tokens the decoder chose (runtime/beam.py);
     for a chat, `rerenders`: how often the model's template rendered an earlier message differently once a
-    later one existed, so that the prompt was sent again whole (transcript.py)."""
+    later one existed, so that the prompt was sent again whole (transcript.py). `distribution`: the last
+    distribution the query scored; `distributions`: each one, by variable."""
 
     prompt: str
     variables: dict[str, Any]
@@ -40,6 +41,7 @@ class Result:
     value: Any = None  # what the query's `return` returned, if it returned
     score: float | None = None
     rerenders: int = 0
+    distributions: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.variables[name]
@@ -63,6 +65,7 @@ class Run:
     max_len: int
     variables: dict[str, Any] = field(default_factory=dict)
     distribution: dict[str, float] | None = None
+    distributions: dict[str, dict[str, float]] = field(default_factory=dict)
     depth: int = 0
     root: "Run | None" = None
     written: list[str] | None = None  # a nested run's: the text it writes (X of a nested query without return)
@@ -79,7 +82,8 @@ class Run:
         finally:
             self.backend.release(self.seq)
         return Result(prompt=self.seq.text, variables=dict(self.variables), distribution=self.distribution,
-                      value=value, rerenders=getattr(self.transcript, "rerenders", 0))
+                      value=value, rerenders=getattr(self.transcript, "rerenders", 0),
+                      distributions=dict(self.distributions))
 
     @property
     def query(self) -> ast.QueryAST:
@@ -242,7 +246,7 @@ class Run:
         top = max(logps)
         weights = [math.exp(lp - top) for lp in logps]
         total = sum(weights)
-        self.distribution = {o: w / total for o, w in zip(options, weights)}
+        self.distribution = self.distributions[dist.var] = {o: w / total for o, w in zip(options, weights)}
         best = max(self.distribution, key=self.distribution.get)
         await self.backend.extend(self.seq, best)
         self._generated(best, dist.var)

@@ -64,7 +64,7 @@ async def test_an_inline_distribution_scores_and_the_query_goes_on(make_backend)
     backend = make_backend("llama")
     r = await lmq.compile(INLINE).run({"q": "is it?"}, backend)
     expected = await reference_distribution(backend, "Q: is it?\nA:")
-    assert r.distribution == pytest.approx(expected, abs=1e-5)
+    assert r.distribution == pytest.approx(expected, abs=1e-5) and r.distributions == {"CLS": r.distribution}
     assert r["CLS"] == max(expected, key=expected.get)
     flat = await lmq.compile(f'"Q: is it?\\nA:{r["CLS"]}\\nWhy:[WHY]" where len(TOKENS(WHY)) < 4').run(
         {}, make_backend("llama", cache_budget=0))
