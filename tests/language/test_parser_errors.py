@@ -112,15 +112,15 @@ def test_negated_empty_choice_is_fine():
 
 
 @pytest.mark.parametrize("decoder", ["beam(n=3)", "beam_var(n=2, max_len=64)", "var(b=2, n=3)", "beam",
-                                     "best_k(k=2, budget=10)"])
+                                     "best_k(k=2, budget=10)", "beam_sample(n=3, temperature=0.7, seed=1)"])
 def test_beam_decoders_parse(decoder):
     parse_and_check(f'{decoder}\n    "a[X]"')
 
 
-def test_beam_sample_not_supported():
+def test_an_unknown_decoder_lists_the_known_ones():
     with pytest.raises(LMQNotSupportedError) as info:
-        parse_and_check('beam_sample(n=3)\n    "a[X]"')
-    assert "unknown decoder 'beam_sample'" in str(info.value) and "beam_var" in str(info.value)
+        parse_and_check('beam_search(n=3)\n    "a[X]"')
+    assert "unknown decoder 'beam_search'" in str(info.value) and "beam_sample" in str(info.value)
 
 
 @pytest.mark.parametrize("decoder", ["sample(foo=1)", "argmax(n=2)", "argmax(temperature=0.5)", "greedy",

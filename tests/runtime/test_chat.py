@@ -268,3 +268,27 @@ beam(n=2)
 ''').run({}, backend)
     assert len(results) == 2
     assert all(r.prompt.startswith("<|im_start|>system\n") and r.prompt.endswith("<|im_end|>\n") for r in results)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+async def test_a_chat_against_an_independent_reference(zoo, tokenizer, family):
+    """A context-sensitive model's chat with roles, against transformers alone: each turn's template text
+    (what the rendering adds) encoded, then greedy tokens to the first special token."""
+    from support.models import greedy, special_ids
+
+    r = await lmq.compile(CHAT).run({"questions": QUESTIONS[:3]}, zoo.backend(family))
+    model, stop = zoo.reference(family), special_ids(tokenizer)
+    ids, text, answer = [], "", ""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question in QUESTIONS[:3]:
+        messages.append({"role": "user", "content": question})
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered.startswith(text)
+        ids += tokenizer.encode(rendered[len(text):], add_special_tokens=False)
+        out = greedy(model, ids, 5, stop)
+        ids += out
+        answer = tokenizer.decode(out)
+        text = rendered + answer
+        messages.append({"role": "assistant", "content": answer})
+    assert r["ANSWER"] == answer
+    assert r.prompt == tokenizer.apply_chat_template(messages, tokenize=False)
