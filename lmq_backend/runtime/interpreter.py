@@ -53,7 +53,7 @@ MAX_NESTING = 32
 
 @dataclass
 class Run:
-    """The state of one query call on one backend sequence. A nested query's run (`nest`) works on a fork of
+    """The state of one query call on one backend sequence. A nested query's run (`_nest`) works on a fork of
     its parent's sequence and a copy of its transcript; `root` is the outermost run, which fills every hole
     (a beam decoder's run fills them its own way: beam.py)."""
 
