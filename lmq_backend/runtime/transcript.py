@@ -90,15 +90,23 @@ class ChatTranscript(Transcript):
         """The conversation as the model reads it: every message closed if `final`, else the last one open."""
         msgs = [{"role": role, "content": content} for role, content in self.messages]
         if final or not msgs:
-            return self.render(msgs, False) if msgs else ""
+            return self._render(msgs, False) if msgs else ""
         last = msgs[-1]
         if last["role"] == "assistant":
-            return self.render(msgs[:-1], True) + last["content"]
-        text = self.render([*msgs[:-1], {"role": last["role"], "content": last["content"] + _CUT}], False)
+            return self._render(msgs[:-1], True) + last["content"]
+        text = self._render([*msgs[:-1], {"role": last["role"], "content": last["content"] + _CUT}], False)
         if text.count(_CUT) != 1:
             raise LMQRuntimeError(f"the chat template does not render a {last['role']} message's content as "
                                   f"written: a hole cannot stand inside it")
         return text[: text.index(_CUT)]
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        try:
+            return self.render(messages, add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template's own check (roles must alternate, no system role, ...)
+            roles = ", ".join(m["role"] for m in messages)
+            raise LMQRuntimeError(f"the model's chat template refuses the conversation ({roles}): "
+                                  f"{type(e).__name__}: {e}") from e
 
     async def flush(self, backend: Backend, seq: Sequence, final: bool = False) -> Sequence:
         text = self.rendering(final)

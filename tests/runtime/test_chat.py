@@ -248,6 +248,17 @@ async def test_text_before_any_role_fails_that_call_only(make_backend):
     assert isinstance(results[1], lmq.Result)
 
 
+async def test_a_template_that_refuses_the_conversation_fails_that_call(tiny_models):
+    strict = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+              "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    backend = HFBackend.from_model(tiny_models["llama"], with_template(None, strict), name="tiny-strict")
+    with pytest.raises(lmq.LMQRuntimeError, match=r"chat template refuses the conversation \(system, user\).*"
+                                                  r"no system role"):
+        await lmq.compile(CHAT).run({"questions": ["hi"]}, backend)
+    assert backend.stats().pinned_nodes == 0
+
+
 @pytest.mark.parametrize("source,message", [
     ('"{:robot} hi"', "unknown role"),
     ('"{:user} hi {:assistant} [A]"', "must start its prompt string"),
