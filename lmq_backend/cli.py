@@ -1,4 +1,4 @@
-"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M]`,
+"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M] [--stream]`,
 `lmq profile FILE.lmq --inputs data.jsonl [...]` (see `lmq_backend.profile`) and `lmq cache ls|clear` (the
 disk tier of the prefix cache: `lmq_backend.cache.disk_tier`)."""
 from __future__ import annotations
@@ -47,12 +47,40 @@ def _jsonable(value):
         return repr(value)
 
 
+def _run_streaming(query, inputs: dict):
+    """Print the prompt and the holes' text as the query writes and decides it (a chat's messages each on a line
+    of their own, after their role); the result once done."""
+    import asyncio
+
+    async def printing():
+        async for event in query.stream(**inputs):
+            if event.done:
+                print(flush=True)
+                return event.result
+            if event.variable is None and event.role is not None and not event.text:  # a message opens
+                print(f"\n{event.role}: ", end="")
+            print(event.text, end="", flush=True)
+
+    return asyncio.run(printing())
+
+
 def cmd_run(args) -> int:
     import lmq_backend as lmq
 
     query = lmq.Query(_read_source(args.file), name=args.file if args.file != "-" else "stdin",
                       model=args.model)
-    result = query.run_sync(**_parse_vars(args.var))
+    inputs = _parse_vars(args.var)
+    if args.stream and query.decoder.n == 1 and not query.decoder.beam and not args.json:
+        result = _run_streaming(query, inputs)
+        if isinstance(result, lmq.Result):
+            print("---")
+            for name, value in result.variables.items():
+                print(f"{name} = {value!r}")
+        else:
+            print("---")
+            print(result)
+        return 0
+    result = query.run_sync(**inputs)
     # a list is n results only for n > 1: a query may also return a list (one result, printed as itself)
     results = result if query.decoder.n > 1 or query.decoder.beam else [result]
     if args.json:
@@ -137,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None,
                      help='model to use instead of the query\'s `from`: "default", "hf:<dir>" or a registered name')
     run.add_argument("--json", action="store_true", help="print the results as JSON")
+    run.add_argument("--stream", action="store_true",
+                     help="print the prompt and each hole's text as it is decided (one result: not for sample(n>1) "
+                          "or beam decoders, which print their results at the end)")
     run.set_defaults(func=cmd_run)
     profile = sub.add_parser(
         "profile", help="run a query over a JSONL file of inputs and report cache hit rates and latency",

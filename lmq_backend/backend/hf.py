@@ -245,6 +245,18 @@ class HFBackend(Backend):
     def release(self, seq: Sequence) -> None:
         self._pin(seq, None)
 
+    def chat_template(self):
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        return self._render_chat
+
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """`apply_chat_template` as text, less the start tokens' text the template writes itself (a
+        `{{ bos_token }}`): a sequence holds them already."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        start = self.tokenizer.decode(self._start_ids) if self._start_ids else ""
+        return text[len(start):] if start and text.startswith(start) else text
+
     def on_step(self, callback) -> None:
         self.scheduler.on_step = callback
 
