@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast as pyast
 import math
+import os
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any
@@ -97,6 +98,8 @@ class Run:
         except LMQError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: fails this call, at its line
+            if _from_lmq(e, self.program):
+                raise  # the engine's own failure (a step, a kernel): the call gets it as it is
             raise _located(e, self.program) from e
         for name in self.variables:  # a hole's variable the query assigned again
             if name in self.env:
@@ -268,6 +271,19 @@ class Run:
             raise LMQRuntimeError(
                 f"line {expr.span.line}: `{expr.source}` raised {type(e).__name__}: {e}") from e
 
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _from_lmq(e: Exception, program: Program) -> bool:
+    """Whether `e` was raised inside lmq (a hole's generation, its engine step) rather than by the query's
+    own Python: the frame the query's code last called into is lmq's."""
+    after, tb = None, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == program.filename:
+            after = tb.tb_next
+        tb = tb.tb_next
+    return after is not None and os.path.abspath(after.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
 def _located(e: Exception, program: Program) -> LMQRuntimeError:
