@@ -19,9 +19,9 @@ import torch
 
 from lmql.models.lmtp.backends.lmtp_model import LMTPModelResult
 
-from .backend.protocol import Backend
-from .runtime.constraints import Stop
-from .runtime.decoders import Greedy, Sampler, Sampling
+from ..backend.protocol import Backend
+from ..runtime.constraints import Stop
+from ..runtime.decoders import Greedy, Sampler, Sampling
 
 MASK_RANGE = 50.0  # a token whose LMQL bias lies this far below the row's largest bias is disallowed
 

@@ -227,10 +227,10 @@ async def _serve(spec: str, inbox: Connection, outbox: Connection) -> None:
 def _preload(spec: str, kwargs: dict) -> None:
     """Load the first handle's backend while LMQL's client still loads its tokenizer (LMQL loads models on
     the first call); failures are left to LMQModel, which reports them to the caller."""
-    from .plugin import _backend, backend_arguments
+    from .plugin import backend_arguments, backend_for
 
     try:
-        _backend(spec, **backend_arguments(kwargs))
+        backend_for(spec, **backend_arguments(kwargs))
     except Exception:  # noqa: BLE001
         pass
 
