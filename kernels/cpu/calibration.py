@@ -11,7 +11,7 @@ lmq's kernel is kept only if its best time beats torch's by MARGIN, so that no l
 slower than torch's.
 
 Choices are cached in memory and in a JSON file next to the built library (`path`), keyed by the library's
-own key (sources, flags, compiler, CPU flags: see build.py) and torch's version. A choice whose
+own key (sources, flags, compiler, CPU flags: see toolchain.py) and torch's version. A choice whose
 timings never settled, or made while the load average exceeded the CPU count (a busy machine: `stable`
 false), holds for the process that made it and is measured again by the next one. A file that does not
 parse, has another key or torch version, or holds an entry that is malformed or contradicts its own

@@ -117,7 +117,7 @@ def run_layers(decoder, bp: int) -> bool:
         return False
     seen = decoder.__dict__.setdefault("_cpu_plan_seen", set())
     threads = torch.get_num_threads()
-    shape_class = (threads, cpu._up(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
+    shape_class = (threads, cpu.size_class(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
     if shape_class not in seen:   # this process's first step of the class: the per-op loop (see the top)
         seen.add(shape_class)
         return False

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
+from lmq_kernels.cpu import library
+from lmq_kernels.cpu.toolchain import compiler
 from lmq_kernels.cpu.calibration import Calibration
 
 needs_kernels = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
@@ -200,7 +201,7 @@ def calibrated(monkeypatch, tmp_path):
     """cpu's functions calibrated into a fresh file (LMQ_CPU_KERNELS=auto); returns its Calibration."""
     assert cpu.available(), cpu.build_error()
     cal = Calibration(tmp_path / "cal.json", "test")
-    monkeypatch.setattr(cpu, "_calibration", cal)
+    monkeypatch.setattr(library, "_calibration", cal)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "auto")
     return cal
 
