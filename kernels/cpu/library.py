@@ -7,7 +7,8 @@ that decides, per op and class of operands, whether lmq's kernel or torch's runs
     build(march), build_error(march)  a variant for another target (tests and benchmarks of it)
     use(kernels)                    within the block, the ops run `kernels`, uncalibrated
     choose(op, shape_class, bench) -> bool   lmq's kernel runs `op` on operands of `shape_class`
-    choices(used=False)             what was chosen ("op/class" -> entry)
+    warming()                       within the block, `choose` measures what it has not (a warm-up)
+    choices(used=False), guesses()  what was measured ("op/class" -> entry), what was met unmeasured
 
 The ops (gemm.py, ops.py, attention.py, picks.py, quantized.py, step.py) call `load()` for the library and
 `choose` for the choice, with `size_class` for the classes' sizes, `rows_ok` for their operands and `forced`
@@ -40,7 +41,7 @@ from .toolchain import build_library
 from .calibration import Bench, Calibration
 
 __all__ = ["configure", "mode", "target", "load", "available", "build", "build_error", "use", "choose",
-           "choices", "forced", "size_class", "rows_ok"]
+           "warming", "choices", "guesses", "forced", "size_class", "rows_ok"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 
@@ -50,7 +51,7 @@ _calibration: Calibration | None = None
 _tried: dict[tuple[Path, str], tuple[ctypes.CDLL | None, str | None, str]] = {}  # (dir, march) -> lib, error, key
 _build_dir: Path | None = None
 _override: ctypes.CDLL | None = None        # use(): the ops run this library, uncalibrated
-_local = threading.local()                  # .forced: a calibration is timing lmq's side
+_local = threading.local()                  # .forced: a calibration is timing lmq's side; .warming: a warm-up
 
 
 def configure(build_dir: Path) -> None:
@@ -197,17 +198,36 @@ def use(kernels: ctypes.CDLL) -> Iterator[None]:
 
 def choose(op: str, shape_class: tuple, bench: Bench) -> bool:
     """Whether lmq's kernel runs `op` on operands of `shape_class`: always under LMQ_CPU_KERNELS=1 or `use`,
-    else the calibration's choice (measured with `bench` on first sight, see calibration.py). Only
+    else the calibration's choice (see calibration.py: measured with `bench` inside `warming`, or where the op
+    has no measured class yet; else a class not measured takes its nearest measured neighbour's choice). Only
     meaningful once the library loaded (`available()`)."""
     if _override is not None or getattr(_local, "forced", False) or mode() == "1":
         return True
-    return _calibration is not None and _calibration.choose(op, shape_class, bench)
+    return _calibration is not None and _calibration.choose(op, shape_class, bench,
+                                                            measure=getattr(_local, "warming", False))
+
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """Within the block (on this thread), `choose` measures the classes this machine has not measured (and
+    those measured on a busy machine, when it is quiet now): a warm-up before any query (warmup.py)."""
+    before, _local.warming = getattr(_local, "warming", False), True
+    try:
+        yield
+    finally:
+        _local.warming = before
 
 
 def choices(used: bool = False) -> dict[str, dict]:
     """The calibration's choices on this machine ("op/class" -> {"use": "lmq" | "torch", timings}); `used`:
     only those this process asked for."""
     return _calibration.choices(used) if _calibration is not None else {}
+
+
+def guesses() -> dict[str, str]:
+    """The classes this process's calls met without a measurement ("op/class" -> the measured neighbour
+    whose choice each took)."""
+    return _calibration.guesses() if _calibration is not None else {}
 
 
 def forced(fn: Callable) -> Callable:
