@@ -24,7 +24,7 @@ from .attention import attention, choose_attention, choose_prefill_attention, pr
 from .toolchain import isa
 from .gemm import GEMM_MAX_ROWS, MIN_ROWS, choose_gemm, gemm_shape, small_m_mm
 from .library import (available, build, build_error, choices, choose, configure, forced, guesses, load, mode,
-                      rows_ok, size_class, target, use, warming)
+                      quiet, rows_ok, size_class, target, use, warming)
 from .ops import choose_rmsnorm, choose_rope_append, choose_silu_mul, rmsnorm, rope_append, silu_mul
 from .picks import choose_masked_argmax, masked_argmax
 from .quantized import choose_quantized, dequantize, quantized_mm
@@ -36,4 +36,4 @@ __all__ = ["small_m_mm", "quantized_mm", "dequantize", "quantized_layout_ok", "a
            "choose", "choices", "configure", "isa", "target", "gemm_shape", "load", "forced", "size_class",
            "rows_ok", "choose_gemm", "choose_quantized", "choose_attention", "choose_prefill_attention",
            "choose_rmsnorm", "choose_silu_mul", "choose_rope_append", "choose_masked_argmax", "MIN_ROWS",
-           "GEMM_MAX_ROWS", "ATTENTION_HEAD_DIMS", "ModelShape", "warm_up", "warming", "guesses"]
+           "GEMM_MAX_ROWS", "ATTENTION_HEAD_DIMS", "ModelShape", "warm_up", "warming", "guesses", "quiet"]

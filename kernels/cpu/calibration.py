@@ -91,7 +91,8 @@ def _load_average() -> float:
         return 0.0
 
 
-def _quiet() -> bool:
+def quiet() -> bool:
+    """Whether the machine is quiet enough to measure on: the last minute's load average at most the CPU count."""
     return _load_average() <= (os.cpu_count() or 1)
 
 
@@ -205,7 +206,7 @@ class Calibration:
                     self._use[(op, shape_class)] = self._entries[near]["use"] == "lmq"
                     return self._use[(op, shape_class)]
             if entry is None or (measure and not entry.get("stable", True) and name not in self._measured
-                                 and _quiet()):
+                                 and quiet()):
                 try:
                     lmq_s, torch_s, rounds, stable = measure_pair(*bench())
                 except Exception as e:  # noqa: BLE001 (a calibration that cannot run: torch, not persisted)

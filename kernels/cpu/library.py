@@ -38,10 +38,10 @@ import torch
 
 from . import benches
 from .toolchain import build_library
-from .calibration import Bench, Calibration
+from .calibration import Bench, Calibration, quiet
 
 __all__ = ["configure", "mode", "target", "load", "available", "build", "build_error", "use", "choose",
-           "warming", "choices", "guesses", "forced", "size_class", "rows_ok"]
+           "warming", "quiet", "choices", "guesses", "forced", "size_class", "rows_ok"]
 
 log = logging.getLogger("lmq_kernels.cpu")
 

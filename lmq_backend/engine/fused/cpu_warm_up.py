@@ -48,13 +48,14 @@ def _buckets(rows: int) -> list[int]:
 
 
 def _steps(model, shape: "cpu.ModelShape", rows: int) -> None:
-    """Decode steps of a scratch decoder at each row bucket whose C-step choice is not measured yet: the
-    first step of a bucket runs the per-op loop (`run_layers`), the second measures both."""
-    known, layers = cpu.choices(), model.config.num_hidden_layers
-    todo = [b for b in _buckets(rows)
-            if not known.get("/".join(["decode_layers", *map(str, step_class(b, shape.weights, shape.hidden,
-                                                                             shape.inter, layers))]),
-                             {}).get("stable", False)]
+    """Decode steps of a scratch decoder at each row bucket whose C-step choice is not measured yet (or was
+    measured on a busy machine, and this one is quiet now): the first step of a bucket runs the per-op loop
+    (`run_layers`), the second measures both."""
+    known, layers, quiet = cpu.choices(), model.config.num_hidden_layers, cpu.quiet()
+    entries = [known.get("/".join(["decode_layers", *map(str, step_class(b, shape.weights, shape.hidden,
+                                                                         shape.inter, layers))]))
+               for b in _buckets(rows)]
+    todo = [b for b, e in zip(_buckets(rows), entries) if e is None or (quiet and not e.get("stable", True))]
     if not todo:
         return
     slots = 1 + rows * SCRATCH_COLUMNS
