@@ -143,6 +143,11 @@ class LMQModel:
         return self._serving().backend
 
     @property
+    def calls(self):
+        """The `LMQLCalls` serving this model (raises the load failure, if any)."""
+        return self._serving()
+
+    @property
     def mask_chunk(self) -> int:
         return self._serving().mask_chunk
 
