@@ -34,8 +34,7 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
                  out: torch.Tensor, accumulate: bool = False) -> bool:
     """out (+)= x @ W^T for a weight-only quantized W [N, K]; x [M, K] and out [M, N] float32 with contiguous
     rows, M <= MAX_ROWS. Calibrated against what runs otherwise: the weight de-quantized (`dequantize`) and
-    torch's GEMM (torch's own weight-only kernels measured 20-40x slower than that on AVX2:
-    benchmarks/bench_quantized.py)."""
+    torch's GEMM (torch's own weight-only kernels are far slower than that: benchmarks/bench_quantized.py)."""
     m, k = x.shape
     if not MIN_ROWS <= m <= MAX_ROWS:
         return False
@@ -63,8 +62,8 @@ _checked: dict[int, tuple] = {}   # id(q) -> (weakref to q, scale, zero, k, ok);
 
 
 def _weight_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
-    """`layout_ok`, remembered per weight tensor (a decode step multiplies ~120 fixed weights: their checks
-    took ~5 of the ~20 us of Python a call)."""
+    """`layout_ok`, remembered per weight tensor (a decode step multiplies the same ~120 weights every step:
+    their checks were a quarter of a call's Python)."""
     seen = _checked.get(id(q))
     if seen is not None and seen[0]() is q and seen[1] is scale and seen[2] is zero and seen[3] == k:
         return seen[4]

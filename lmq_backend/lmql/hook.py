@@ -81,7 +81,7 @@ TRANSFORMERS_BACKEND = "lmql.models.lmtp.backends.transformers_model"  # deferre
 
 
 class _Loader:
-    """Runs the module's own loader, then patches the module (plain classes: `importlib.abc` costs 40 ms)."""
+    """Runs the module's own loader, then patches the module (plain classes: importing `importlib.abc` is slow)."""
 
     def __init__(self, inner, patch):
         self.inner, self.patch = inner, patch
@@ -96,7 +96,7 @@ class _Loader:
 
 class _Deferred:
     """Loads LMQL's transformers backend on first use, not when any LMQL model is made: LMQL's
-    `lmql.models.lmtp.backends` imports it eagerly, and it imports torch (~2 CPU s in LMQL's process, where
+    `lmql.models.lmtp.backends` imports it eagerly, and it imports torch (seconds of CPU in LMQL's process, where
     `local:lmq:` models need neither). The module's attributes and `LMTPModel.registry["transformers"]`
     load it then; it registers itself as before."""
 

@@ -1,7 +1,7 @@
 """LMQL's tokenizer for `lmq:SPEC` models, read with the `tokenizers` library alone.
 
 LMQL's own Hugging Face tokenizer (`lmql.runtime.tokenizers.hf_tokenizer.TransformersTokenizer`) loads the
-folder with transformers' `AutoTokenizer`, which imports transformers and torch in LMQL's process: ~4 CPU s
+folder with transformers' `AutoTokenizer`, which imports transformers and torch in LMQL's process: seconds
 of the plugin's first call, for a tokenizer that the model process loads again. `LMQTokenizer` has its
 interface and gives the same answers for folders whose tokenizer transformers itself runs as the plain
 `tokenizers` backend (`"tokenizer_class": "TokenizersBackend"` in tokenizer_config.json, as lmq's converted
