@@ -21,7 +21,8 @@ __all__ = ["rmsnorm", "silu_mul", "rope_append", "choose_rmsnorm", "choose_silu_
 def choose_rmsnorm(m: int, n: int) -> bool:
     """Whether lmq's RMSNorm runs m rows of n here."""
     up = size_class
-    return choose("rmsnorm", (torch.get_num_threads(), up(m), up(n)), lambda: benches.rmsnorm(forced(rmsnorm), up(m), n))
+    return choose("rmsnorm", (torch.get_num_threads(), up(m), up(n)),
+                  lambda: benches.rmsnorm(forced(rmsnorm), up(m), n))
 
 
 def choose_silu_mul(m: int, i: int) -> bool:

@@ -7,7 +7,8 @@ them from there), on the layouts of qgemm.c:
 
 int8: q int8 [N, K] with scale [N, K/32] (zero None); int4: q uint8 [N, K/2] with scale (d) and zero (m)
 [N, K/32] (GGUF's Q4_1 order). They return False (nothing computed) where they cannot run the operands or, for
-`quantized_mm`, where calibration chose what runs otherwise (the weight de-quantized, then torch's GEMM; `choose_quantized`: its class).
+`quantized_mm`, where calibration chose what runs otherwise (the weight de-quantized, then torch's GEMM;
+`choose_quantized`: its class).
 """
 from __future__ import annotations
 

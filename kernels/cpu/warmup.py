@@ -34,8 +34,8 @@ PANEL = 64                            # the columns of a panel-major weight (ste
 @dataclass(slots=True, frozen=True)
 class ModelShape:
     """What a decoder's CPU step multiplies: hidden size, MLP width, query and K/V heads, head dim, vocabulary;
-    `weights` "f32", "int8" or "int4" (the layers'); `panels`: float32 layer weights read panel-major;
-    `head_panels`: the LM head too; `qk_norm`: q/k RMSNorms before RoPE (Qwen3)."""
+    `weights` "f32", "int8" or "int4" (the layers'), `head` the same for the LM head; `panels`: float32 layer
+    weights read panel-major; `head_panels`: the LM head too; `qk_norm`: q/k RMSNorms before RoPE (Qwen3)."""
     hidden: int
     inter: int
     hq: int
@@ -43,6 +43,7 @@ class ModelShape:
     d: int
     vocab: int
     weights: str = "f32"
+    head: str = "f32"
     panels: bool = True
     head_panels: bool = True
     qk_norm: bool = False
@@ -53,14 +54,21 @@ class ModelShape:
                 (self.hidden, 2 * self.inter), (self.inter, self.hidden)]
 
 
+def _gemm(kind: str, panels: bool, m: int, k: int, n: int) -> None:
+    """The class of m rows of a weight [k, n] of `kind`: lmq's float32 GEMM (over panels where `panels`), or
+    a quantized weight's: its kernel up to QUANTIZED_ROWS rows (in chunks of that many up to 4x as many), its
+    panels de-quantized for the float32 GEMM beyond (engine/quantize.py)."""
+    if kind == "f32":
+        choose_gemm(m, k, n, PANEL if panels and n % PANEL == 0 else 0)
+    elif m <= 4 * QUANTIZED_ROWS:
+        choose_quantized(min(m, QUANTIZED_ROWS), k, n, kind == "int4")
+    elif n % PANEL == 0:
+        choose_gemm(m, k, n, PANEL)
+
+
 def _layer_gemms(shape: ModelShape, m: int) -> None:
     for k, n in shape.layer_weights():
-        if shape.weights == "f32":
-            choose_gemm(m, k, n, PANEL if shape.panels and n % PANEL == 0 else 0)
-        elif m <= QUANTIZED_ROWS:
-            choose_quantized(m, k, n, shape.weights == "int4")
-        elif m > 4 * QUANTIZED_ROWS and n % PANEL == 0:   # de-quantized into panels (engine/quantize.py)
-            choose_gemm(m, k, n, PANEL)
+        _gemm(shape.weights, shape.panels, m, k, n)
 
 
 def _decode(shape: ModelShape, rows: int) -> None:
@@ -71,7 +79,7 @@ def _decode(shape: ModelShape, rows: int) -> None:
     for span in SPANS:
         choose_attention(rows, s.hq, s.hkv, s.d, span)
     choose_silu_mul(rows, s.inter)
-    choose_gemm(rows, s.hidden, s.vocab, PANEL if s.head_panels and s.vocab % PANEL == 0 else 0)
+    _gemm(s.head, s.head_panels, rows, s.hidden, s.vocab)
     for masked in (False, True):
         choose_masked_argmax(rows, s.vocab, masked)
 

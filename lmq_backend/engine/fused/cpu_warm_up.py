@@ -17,6 +17,7 @@ import torch
 from lmq_kernels import cpu
 
 from ...paths import cache_dir
+from ..quantize import QuantizedLinear
 from .cpu_step import head_panels_fit, panels_fit, plan_for, step_class, weights_kind
 from .decoder import FusedDecoder
 from .weights import decoder_weights
@@ -38,9 +39,13 @@ def model_shape(model) -> "cpu.ModelShape | None":
     cfg = model.config
     return cpu.ModelShape(hidden=cfg.hidden_size, inter=lw.wdown.shape[1], hq=cfg.num_attention_heads,
                           hkv=cfg.num_key_value_heads, d=model.model.layers[0].self_attn.head_dim,
-                          vocab=laid_out.lm_head.shape[0], weights=kind,
+                          vocab=laid_out.lm_head.shape[0], weights=kind, head=_kind(laid_out.lm_head),
                           panels=kind == "f32" and panels_fit(laid_out), head_panels=head_panels_fit(laid_out),
                           qk_norm=lw.q_norm is not None)
+
+
+def _kind(weight) -> str:
+    return weight.kind if isinstance(weight, QuantizedLinear) else "f32"
 
 
 def _buckets(rows: int) -> list[int]:

@@ -402,3 +402,17 @@ def test_a_backend_measures_its_classes_when_made_and_its_queries_none(calibrate
         asyncio.run(run(n))
     assert set(calibrated.choices()) == made
     assert warm_up(net) == 0
+
+
+@needs_kernels
+def test_a_quantized_models_warm_up_measures_its_quantized_gemms(calibrated):
+    """int4 layers and an int8 LM head: the quantized GEMM's classes (up to 16 rows a call; past 64 rows the
+    weight's panels in the float32 GEMM), not the float32 GEMM's of the same rows."""
+    shape = cpu.ModelShape(hidden=64, inter=128, hq=2, hkv=1, d=64, vocab=512, weights="int4", head="int8",
+                           panels=False, head_panels=False)
+    cpu.warm_up(shape, rows=32)
+    t = torch.get_num_threads()
+    names = set(calibrated.choices())
+    assert {f"qgemm_i4/{t}/16/64/256", f"qgemm_i4/{t}/1/64/256", f"qgemm_i8/{t}/16/64/512",
+            f"gemm_panels/{t}/256/64/256"} <= names, sorted(names)
+    assert not any(n.startswith(f"gemm_panels/{t}/32/") or n.startswith(f"gemm/{t}/") for n in names), sorted(names)
