@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import hook as lmql_hook
 
-__all__ = ["LMQModel", "model", "tokenizer_dir"]
+__all__ = ["LMQModel", "model", "tokenizer_dir", "backend_for", "backend_arguments"]
 
 BACKEND_ARGS = ("device", "dtype", "cache_budget")
 
@@ -46,7 +46,7 @@ def _is_folder(spec: str) -> bool:
     return Path(spec.removeprefix("hf:")).is_dir()
 
 
-def _backend(spec: str, **kwargs):
+def backend_for(spec: str, **kwargs):
     """The lmq backend for `lmq:SPEC`: a name `get_backend` knows, or a model folder. Keyword arguments
     (device, dtype, cache_budget) load a new HFBackend for it."""
     key = (spec, tuple(sorted(kwargs.items())))
@@ -131,7 +131,7 @@ class LMQModel:
                 warnings.warn(f"lmq: ignoring LMQL model arguments {sorted(kwargs)}")
             from .calls import LMQLCalls
 
-            self._calls = LMQLCalls(_backend(self.spec, **args), mask_chunk=mask_chunk)
+            self._calls = LMQLCalls(backend_for(self.spec, **args), mask_chunk=mask_chunk)
         except BaseException as e:  # noqa: BLE001 - reported to LMQL's caller by generate/score
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -141,6 +141,11 @@ class LMQModel:
     @property
     def backend(self):
         return self._serving().backend
+
+    @property
+    def calls(self):
+        """The `LMQLCalls` serving this model (raises the load failure, if any)."""
+        return self._serving()
 
     @property
     def mask_chunk(self) -> int:

@@ -14,6 +14,7 @@ from lmq_backend.engine.fused import cpu_step
 from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.quantize import quantize_model
 from lmq_kernels import cpu
+from lmq_kernels.cpu import library
 from lmq_kernels.cpu.calibration import Calibration
 from support.cpu_targets import TARGETS
 from support.fused import assert_same_forwards, prefill_then_steps
@@ -106,7 +107,7 @@ def test_the_calibration_measures_both_paths_and_keeps_the_steps_result(monkeypa
     model = model_of("llama", seed=5)
     monkeypatch.delenv("LMQ_CPU_KERNELS", raising=False)
     assert cpu.available()
-    monkeypatch.setattr(cpu, "_calibration", Calibration(None, "test"))   # nothing chosen yet, nothing kept
+    monkeypatch.setattr(library, "_calibration", Calibration(None, "test"))   # nothing chosen yet, nothing kept
     calibrated = prefill_then_steps(model, steps=3, seed=6)
     chosen = {name: entry for name, entry in cpu.choices().items() if name.startswith("decode_layers/")}
     assert len(chosen) == 1 and all(e["lmq_us"] > 0 and e["torch_us"] > 0 for e in chosen.values()), chosen

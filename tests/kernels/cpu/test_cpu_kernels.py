@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
+from lmq_kernels.cpu import library
+from lmq_kernels.cpu.toolchain import compiler
 from support.cpu_targets import AVX512, FLAGS, TARGETS, X86, kernels  # noqa: F401 (kernels: a fixture)
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
@@ -333,7 +334,7 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
 def fresh_module(monkeypatch, tmp_path):
     """cpu's module state as in a new process, building into tmp_path (restored afterwards)."""
     for name, value in (("_lib", None), ("_calibration", None), ("_override", None), ("_build_dir", tmp_path)):
-        monkeypatch.setattr(cpu, name, value)
+        monkeypatch.setattr(library, name, value)
     monkeypatch.delenv("LMQ_CPU_KERNELS", raising=False)
     return tmp_path
 
@@ -345,7 +346,7 @@ def test_no_kernels_means_torch_and_one_log_line(why, fresh_module, monkeypatch,
     if why == "failed build":
         monkeypatch.setenv("CC", "false")              # exits 1 without building anything
     elif why == "no compiler":
-        monkeypatch.setattr("lmq_kernels.cpu.build.compiler", lambda: None)
+        monkeypatch.setattr("lmq_kernels.cpu.toolchain.compiler", lambda: None)
     else:
         monkeypatch.setattr(platform, "system", lambda: "Darwin")
     w, x, out = k_major(64, 32, seed=5), torch.randn(4, 32), torch.zeros(4, 64)
@@ -368,12 +369,12 @@ def test_the_engine_runs_the_target_lmq_cpu_march_names(fresh_module, monkeypatc
     for AVX2 + FMA, so that the AVX2 variant is measured end to end on an AVX-512 host; unset, the host's."""
     monkeypatch.setenv("LMQ_CPU_MARCH", "x86-64-v3")
     assert cpu.target() == "x86-64-v3"
-    assert cpu.gemm_shape(cpu._load())["lanes"] == 8
+    assert cpu.gemm_shape(cpu.load())["lanes"] == 8
     w, x, out = k_major(64, 32, seed=6), torch.randn(3, 32), torch.zeros(3, 64)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
     assert cpu.small_m_mm(x, w.t(), out)
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
     monkeypatch.delenv("LMQ_CPU_MARCH")
-    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(library, "_lib", None)
     assert cpu.target() == "native"
-    assert cpu.gemm_shape(cpu._load()) == cpu.gemm_shape(cpu.build("native"))
+    assert cpu.gemm_shape(cpu.load()) == cpu.gemm_shape(cpu.build("native"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
+from lmq_kernels.cpu.toolchain import compiler
 from support.cpu_targets import TARGETS  # noqa: F401 (the variants `kernels` runs)
 from support.cpu_targets import kernels  # noqa: F401 (fixture)
 
