@@ -8,18 +8,13 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import time
 
 import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
 from lmq_kernels.cpu.calibration import Calibration
-
-needs_kernels = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
-                                   reason="no C compiler / not Linux: the engine runs torch's ops")
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +204,7 @@ def k_major(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k).t().contiguous().t()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_ops_follow_the_choice(calibrated, monkeypatch):
     """Where torch was measured faster the op declines (out untouched) and the caller runs torch; where lmq
     was, it runs; LMQ_CPU_KERNELS=1 runs it whatever was measured, =0 never."""
@@ -228,7 +223,7 @@ def test_ops_follow_the_choice(calibrated, monkeypatch):
     assert cpu.small_m_mm(x[:2], w.t(), out[:2])
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_every_op_is_calibrated_on_first_use(calibrated):
     """The GEMM, RMSNorm and SiLU-mul measure themselves against torch on their first call of a class (a
     real measurement, each side timed) and give torch's result either way."""
@@ -251,7 +246,7 @@ def test_every_op_is_calibrated_on_first_use(calibrated):
     assert json.loads(calibrated.path.read_text())["choices"] == made
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_the_prefill_attention_class_follows_the_rows_not_the_end_column(calibrated):
     """The pool's end column moves on with every decode step: the same rows further right are the same class
     (one measurement, not one per end column a long-running process reaches)."""
@@ -296,7 +291,7 @@ def head_dim_64_llama():
     return LlamaForCausalLM(config).eval()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("model", ["tiny_llama", "head_dim_64"])
 def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch):
     """Whole engine queries (alone and 5 at once) with lmq's kernels forced on (LMQ_CPU_KERNELS=1) and forced
