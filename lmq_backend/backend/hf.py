@@ -206,6 +206,7 @@ class HFBackend(Backend):
         return value
 
     async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
+        self._check_length(seq, len(seq.ids) + max(map(len, continuations), default=0))  # (an option is prompt)
         logits, row = await self.scheduler.prefill(await self._staged(_Prefill(self, seq)))
         try:
             prefix = self.scheduler.pool.segment_kv(row.slot, 0, len(seq.ids))
@@ -316,6 +317,9 @@ class HFBackend(Backend):
     # ----- the prefix trie ------------------------------------------------------------------------
 
     def _check_length(self, seq: Sequence, n: int) -> None:
+        if n > seq.max_len >= self.max_positions:  # the model's window binds (`sequence` caps max_len by it)
+            raise LMQLengthError(f"the prompt needs {n} tokens, more than the model's context window of "
+                                 f"{self.max_positions} positions (max_position_embeddings)")
         if n > seq.max_len:
             raise LMQLengthError(
                 f"the prompt needs {n} tokens, more than max_len={seq.max_len}; raise it with "

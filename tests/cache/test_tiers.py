@@ -451,7 +451,7 @@ def test_exact_after_a_process_restart(reference, tmp_path):
 
 # ----- on a GPU ---------------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 async def test_exact_through_pinned_host_memory_on_a_gpu(tokenizer, tmp_path):
     model = tiny_llama().cuda()
     ref = await run(lmq.HFBackend.from_model(model, tokenizer, cache_budget=0, name="tiny"))

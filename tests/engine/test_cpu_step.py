@@ -17,7 +17,10 @@ from lmq_kernels import cpu
 from lmq_kernels.cpu import library
 from lmq_kernels.cpu.calibration import Calibration
 from support.cpu_targets import TARGETS
+
 from support.fused import assert_same_forwards, prefill_then_steps
+
+pytestmark = pytest.mark.cpu_kernels
 
 
 def model_of(arch: str, seed: int = 0):
@@ -59,13 +62,13 @@ def per_op(monkeypatch, model, **kw):
         return prefill_then_steps(model, **kw)
 
 
-@pytest.mark.parametrize("panels", [True, False], ids=["panel-major", "k-major"])
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "int8", "int4"])
+@pytest.mark.parametrize("arch,panels", [pytest.param(a, True, id=f"{a}-panel-major")
+                                         for a in ("llama", "qwen2", "qwen3", "int8", "int4")]
+                         + [pytest.param(a, False, id=f"{a}-k-major")  # (quantized weights have no panels)
+                            for a in ("llama", "qwen2", "qwen3")])
 def test_fused_layers_give_the_per_op_steps_bits(arch, target, panels, monkeypatch, count_fused):
     if not panels:  # float32 weights read K-major (a model whose panel copies would not fit the memory bound)
-        if arch in ("int8", "int4"):
-            pytest.skip("quantized weights have no panels")
         monkeypatch.setattr(cpu_step, "PANELS_MAX_MEMORY", 0)
     from lmq_kernels.cpu import step as c_step
 

@@ -4,7 +4,7 @@ CPU (float32, eager, torch fallbacks + the reference attention): tiny random Lla
 a left-padded batch of rows of different lengths prefilled by HF into a static pool, several steps in a
 row; logits and the K/V written into the pool must match HF's padded-batch forward.
 
-GPU (skipped without CUDA; run with TRITON_INTERPRET=0): bf16 logits against HF, float32 greedy tokens
+GPU (`gpu` tests, skipped without CUDA): bf16 logits against HF, float32 greedy tokens
 identical to HF over 32 steps on a Llama-3.2-1B-shaped model, graphs on vs off bitwise identical.
 """
 from __future__ import annotations
@@ -19,9 +19,6 @@ from lmq_backend.engine.kv_pool import paged_view
 from lmq_backend.engine.fused import FusedDecoder, bucket_for, supports
 from support.fused import (PROMPTS, HFPadded, llama_1b_shaped, make_pool, prefill_into_pool, run_compare, tiny_llama,
                            tiny_qwen2, tiny_qwen3)
-
-HAS_CUDA = torch.cuda.is_available()
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -78,7 +75,7 @@ def test_cpu_strided_pool_view():
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_weights_loaded_after_the_layout_reach_every_step(device, assign):
     """`load_state_dict` into a model the fused step has laid out reaches the steps of a decoder built (and,
     on a GPU, captured) before it and of one built after, and the model's own forward: the fused step's
@@ -121,7 +118,7 @@ def _prompts(lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_bf16_logits_close_to_hf():
     """bf16 fused vs bf16 HF, both measured against the float32 HF forward of the same weights: the fused
     step's error must be within 1.5x HF bf16's own error (+ 0.01)."""
@@ -149,7 +146,7 @@ def test_cuda_bf16_logits_close_to_hf():
     assert max(errs_f) <= 1.5 * max(errs_hf) + 0.01
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_fp32_greedy_identical_to_hf():
     model = llama_1b_shaped(layers=16, dtype=torch.float32)
     prompts = _prompts([200, 61, 130], model.config.vocab_size, seed=1)
@@ -157,7 +154,7 @@ def test_cuda_fp32_greedy_identical_to_hf():
     assert f == h
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_graphs_match_eager_bitwise():
     model = llama_1b_shaped(layers=4, dtype=torch.bfloat16)
     prompts = _prompts([100, 40, 77, 5, 90], model.config.vocab_size, seed=2)

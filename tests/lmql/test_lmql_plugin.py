@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-lmql = pytest.importorskip("lmql")
+import lmql
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402

@@ -35,14 +35,12 @@ class Shape:
     note: Optional[str] = None
 
 
-try:
-    import pydantic
+import pydantic  # the README's install brings it (the `test` extra): lmq itself needs it only for pydantic holes
 
-    class City(pydantic.BaseModel):
-        name: str
-        country: str
-except ImportError:  # pragma: no cover - pydantic is needed only for pydantic models
-    pydantic = None
+
+class City(pydantic.BaseModel):
+    name: str
+    country: str
 
 
 HOLE = ast.Hole("X", ast.Span(1, 1), ast.PyExpr("T", compile("T", "<lmq>", "eval"), frozenset({"T"}), ast.Span(1, 5)))
@@ -59,8 +57,6 @@ def test_dataclass_schema_and_value():
 
 
 def test_pydantic_model_schema_and_value():
-    if pydantic is None:
-        pytest.skip("pydantic is not installed")
     ht = hole_type(City, HOLE)
     assert ht.constraint.func == "JSON" and json.loads(eval(ht.constraint.args[0].code))["required"] == [
         "name", "country"]
@@ -158,8 +154,6 @@ async def test_a_bad_type_fails_only_its_own_call(make_backend):
 
 @pytest.mark.slow
 async def test_dataclass_and_pydantic_holes_on_the_default_model(default_backend):
-    if pydantic is None:
-        pytest.skip("pydantic is not installed")
     q = lmq.compile('''
 argmax
     "A point with x=1 and y=2 as JSON: [P: Point]\\n"

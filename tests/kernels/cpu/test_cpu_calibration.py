@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import time
 
 import pytest
@@ -16,11 +15,7 @@ import torch
 
 from lmq_kernels import cpu
 from lmq_kernels.cpu import library
-from lmq_kernels.cpu.toolchain import compiler
 from lmq_kernels.cpu.calibration import Calibration
-
-needs_kernels = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
-                                   reason="no C compiler / not Linux: the engine runs torch's ops")
 
 
 @pytest.fixture(autouse=True)
@@ -235,7 +230,7 @@ def k_major(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k).t().contiguous().t()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_ops_follow_the_choice(calibrated, monkeypatch):
     """Where torch was measured faster the op declines (out untouched) and the caller runs torch; where lmq
     was, it runs; LMQ_CPU_KERNELS=1 runs it whatever was measured, =0 never."""
@@ -254,7 +249,7 @@ def test_ops_follow_the_choice(calibrated, monkeypatch):
     assert cpu.small_m_mm(x[:2], w.t(), out[:2])
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_every_op_is_calibrated_on_first_use(calibrated):
     """The GEMM, RMSNorm and SiLU-mul measure themselves against torch on their first call of a class (a
     real measurement, each side timed) and give torch's result either way."""
@@ -277,7 +272,7 @@ def test_every_op_is_calibrated_on_first_use(calibrated):
     assert json.loads(calibrated.path.read_text())["choices"] == made
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_the_prefill_attention_class_follows_the_rows_not_the_end_column(calibrated):
     """The pool's end column moves on with every decode step: the same rows further right are the same class
     (one measurement, not one per end column a long-running process reaches)."""
@@ -322,7 +317,7 @@ def head_dim_64_llama():
     return LlamaForCausalLM(config).eval()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("model", ["tiny_llama", "head_dim_64"])
 def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch):
     """Whole engine queries (alone and 5 at once) with lmq's kernels forced on (LMQ_CPU_KERNELS=1) and forced
@@ -364,7 +359,7 @@ def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch)
 
 # ------------------------------------------------------------------------------------------------- warm-up
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_a_warm_up_measures_a_models_classes_once(calibrated):
     """`warm_up` measures the classes of a model shape's decode steps and prefills this machine has not
     measured; again, nothing. A call of a class between the grid's then takes a neighbour's choice."""
@@ -381,7 +376,7 @@ def test_a_warm_up_measures_a_models_classes_once(calibrated):
     assert set(calibrated.choices()) == names and f"gemm_panels/{t}/8/64/256" in cpu.guesses()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_a_backend_measures_its_classes_when_made_and_its_queries_none(calibrated, tokenizer):
     """A CPU backend measures its model's classes when it is made (the per-op kernels' and the C step's);
     its queries, alone and at once, measure none (each class they meet unmeasured takes a neighbour's
@@ -404,7 +399,7 @@ def test_a_backend_measures_its_classes_when_made_and_its_queries_none(calibrate
     assert warm_up(net) == 0
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_a_quantized_models_warm_up_measures_its_quantized_gemms(calibrated):
     """int4 layers and an int8 LM head: the quantized GEMM's classes (up to 16 rows a call; past 64 rows the
     weight's panels in the float32 GEMM), not the float32 GEMM's of the same rows."""
