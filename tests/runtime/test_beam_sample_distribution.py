@@ -27,7 +27,10 @@ async def test_beam_sample_scores_repeats_and_ranks(make_backend):
     backend = make_backend("llama")
     first = await lmq.compile(SAMPLED.format(t=2.0, seed=1)).run({}, backend)
     again = await lmq.compile(SAMPLED.format(t=2.0, seed=1)).run({}, backend)
-    assert [(r.prompt, r.score) for r in first] == [(r.prompt, r.score) for r in again]  # seeded: repeats
+    # seeded: repeats (the values exactly; the scores to float32's last bits: the second run's prefills read the
+    # first's cached prefix, and lmq's C kernels may round a prefill split there differently)
+    assert [r.prompt for r in first] == [r.prompt for r in again]
+    assert [r.score for r in again] == pytest.approx([r.score for r in first], abs=1e-5)
     assert len(first) == 3 and len({r["A"] for r in first}) == 3
     assert [r.score for r in first] == sorted((r.score for r in first), reverse=True)
     for r in first:
