@@ -37,6 +37,10 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def __iter__(self):
+        """The segments held, least recently used first."""
+        return iter(list(self._lru.values()))
+
     def __contains__(self, name: tuple[int, str]) -> bool:
         """`(start, key)`: is that segment here?"""
         return name in self._lru

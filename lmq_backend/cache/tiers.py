@@ -3,7 +3,8 @@
 Where K/V moves
 ---------------
     trie --evicted--> host tier --dropped (LRU)--> disk tier     down, instead of being thrown away
-    trie --inserted (>= disk_min_tokens)--> disk tier           written through: the next process's warm start
+    trie --inserted--> disk tier                                 written through: the next process's warm start
+    (nodes of MIN_TOKENS or more only)
     host tier, disk tier --load--> fresh store slots            up, as trie nodes, when cheaper than a prefill
 
 Without a host tier, an evicted node goes to disk directly. The host tier keeps what it gives back (evicting
@@ -49,15 +50,18 @@ from .segment import Segment, prefix_key
 from .stats import TIER_COUNTERS
 from .trie import PrefixTrie, TrieNode
 
-DISK_MIN_TOKENS = 64       # shorter nodes are not written to disk: a file read costs more than their prefill
+# Shorter nodes go to no tier: a file read, or a copy's fixed costs, take about what their prefill does, and
+# most of them are a call's own tail (its inputs), which no later call asks for: kept, they would push out the
+# long shared prefixes a tier is for.
+MIN_TOKENS = 64
 MEASURED_PREFILL_MIN = 32  # prefills with fewer new tokens say little about the per-token cost
 
 
 class CacheTiers:
     def __init__(self, store: KVStore, host: HostTier | None, disk: DiskTier | None,
-                 disk_min_tokens: int = DISK_MIN_TOKENS):
+                 min_tokens: int = MIN_TOKENS):
         self.store, self.host, self.disk = store, host, disk
-        self.disk_min_tokens = disk_min_tokens
+        self.min_tokens = min_tokens
         self.cuda = store.device.type == "cuda"
         self._side: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
@@ -90,11 +94,11 @@ class CacheTiers:
 
     def evicted(self, node: TrieNode, prefix: tuple[int, ...]) -> None:
         """The trie evicts `node` (the tokens `prefix` end with its own): keep its K/V in the host tier, else
-        on disk. Never raises: a tier that fails is a miss later, with one warning."""
+        on disk (nodes of `min_tokens` or more). Never raises: a tier that fails is a miss later, with one
+        warning."""
         try:
             tokens = len(node.ids)
-            to_disk = self.disk is not None and tokens >= self.disk_min_tokens
-            if self.host is None and not to_disk:
+            if tokens < self.min_tokens or (self.host is None and self.disk is None):
                 return
             ids = np.asarray(prefix, dtype=np.int32)
             start = len(ids) - tokens
@@ -115,7 +119,7 @@ class CacheTiers:
 
     def inserted(self, trie: PrefixTrie, node: TrieNode) -> None:
         """The trie stored `node`: a long one is written to disk."""
-        if self.disk is None or len(node.ids) < self.disk_min_tokens:
+        if self.disk is None or len(node.ids) < self.min_tokens:
             return
         try:
             ids = np.asarray(trie.path_ids(node), dtype=np.int32)
@@ -127,7 +131,7 @@ class CacheTiers:
             self._warn(e)
 
     def _to_disk(self, seg: Segment) -> None:
-        if self.disk is not None and seg.tokens >= self.disk_min_tokens:
+        if self.disk is not None and seg.tokens >= self.min_tokens:
             self.disk.write(seg, prefix_key(seg.ids[:seg.start]))
 
     def _down(self, ids: np.ndarray, start: int, slots: np.ndarray) -> Segment:
@@ -160,14 +164,14 @@ class CacheTiers:
         if self.disk is None or not trie.enabled:
             return None
         node, p = trie.match(ids, limit)
-        if limit - p < self.disk_min_tokens:  # (a warm call's new tail: no file is worth a look)
+        if limit - p < self.min_tokens:  # (a warm call's new tail: no file is worth a look)
             return None
         starts = [0, *(n.depth for n in trie.path(node))]
         ids32 = np.asarray(ids, dtype=np.int32)
         while (found := self._in_host(ids, ids32, starts, p, limit))[0] is not None:
             p += found[2]
             starts.append(p)
-        if limit - p < self.disk_min_tokens or not any(self.disk.starts_at(prefix_key(ids32[:s])) for s in starts):
+        if limit - p < self.min_tokens or not any(self.disk.starts_at(prefix_key(ids32[:s])) for s in starts):
             return None
         return p, starts
 

@@ -25,12 +25,14 @@ from .scheduler import Scheduler
 
 
 def default_kv_budget(device: torch.device) -> int:
-    """Bytes for the K/V store when the user names none: half the GPU's free memory (with what torch's
-    allocator holds unused: a dropped backend's store, for one); on a CPU a third of the machine's memory
-    (untouched pages of the store cost nothing there)."""
+    """Bytes for the K/V store when the user names none: half the GPU's free memory, once torch's allocator
+    has handed back what it holds unused (a dropped backend's store, for one: cached blocks that one
+    allocation of the store's size could not use); on a CPU a third of the machine's memory (untouched pages
+    of the store cost nothing there)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) // 2
+        return free // 2
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX system

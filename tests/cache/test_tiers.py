@@ -25,7 +25,7 @@ from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model
 from lmq_backend.cache.host_tier import HostTier
 from lmq_backend.cache.segment import Segment, prefix_key
 from lmq_backend.cache.stats import CacheStats, format_table
-from lmq_backend.cache.tiers import CacheTiers
+from lmq_backend.cache.tiers import MIN_TOKENS, CacheTiers
 from support.caches import node_slots
 from support.tiny import tiny_llama
 
@@ -281,6 +281,8 @@ async def test_exact_through_host_round_trips(model, tokenizer, reference, tmp_p
     assert s.host_hits > 0 and s.tokens_from_host > 0 and s.bytes_from_host > 0
     assert s.tokens_reused > s.tokens_from_host  # the device trie served the rest
     assert 0 < s.host_bytes_in_use <= 16 * 10**6
+    # the calls' own tails (a question: a few tokens each) were evicted too, and are in no tier
+    assert all(seg.tokens >= MIN_TOKENS for seg in b.tiers.host)
 
 
 async def test_a_failing_tier_is_a_miss_with_a_warning(model, tokenizer, reference, tmp_path, monkeypatch):
