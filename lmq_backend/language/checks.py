@@ -7,6 +7,7 @@
   name that is not an input, a known global or a builtin;
 - `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
 - `LMQNotSupportedError` for an unknown decoder or an unknown decoder argument;
+- `LMQCompileError` for a decoding knob's value out of its range (`check_knobs`);
 - `LMQCompileError` when `distribution VAR` is not the last hole of the body.
 """
 from __future__ import annotations
@@ -23,15 +24,28 @@ from .ast import (
     PyStmt, QueryAST, Return, Stmt,
 )
 
-__all__ = ["check_query", "holes_of", "free_names", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
-           "iter_constraints", "iter_code"]
+__all__ = ["check_query", "holes_of", "free_names", "BUILTIN_NAMES", "DECODER_ARGS", "KNOBS", "check_knobs",
+           "walk_stmts", "iter_constraints", "iter_code"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
 
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # (not NaN)
+
+
+# the decoding knobs of argmax and sample (`engine.picks.Knobs` says what each does): name -> (test, range)
+KNOBS: dict[str, tuple] = {
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "repetition_penalty": (lambda v: _number(v) and 0 < v < float("inf"), "a number > 0"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+}
+
 # decoder -> allowed keyword arguments
 DECODER_ARGS: dict[str, frozenset[str]] = {
-    "argmax": frozenset({"max_len"}),
-    "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len"}),
+    "argmax": frozenset({"max_len", *KNOBS}),
+    "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len", *KNOBS}),
     "beam": frozenset({"n", "max_len"}),
     "beam_var": frozenset({"n", "max_len"}),
     "var": frozenset({"b", "n", "max_len"}),
@@ -169,6 +183,14 @@ def _is_empty_literal(expr: PyExpr) -> bool:
     return False
 
 
+def check_knobs(decoder: str, args: dict, where: str = "") -> None:
+    """Raise LMQCompileError naming the first decoding knob of `args` whose value is out of its range
+    (`KNOBS`); `where` (e.g. " (line 1, column 1)") follows the decoder's name."""
+    for name, value in args.items():
+        if name in KNOBS and not KNOBS[name][0](value):
+            raise LMQCompileError(f"decoder {decoder}{where}: {name} must be {KNOBS[name][1]}, got {value!r}")
+
+
 def _check_decoder(q: QueryAST) -> None:
     d = q.decoder
     if d.name not in DECODER_ARGS:
@@ -180,6 +202,7 @@ def _check_decoder(q: QueryAST) -> None:
             raise LMQNotSupportedError(
                 f"unknown argument {k!r} for decoder {d.name} ({_pos(d.span)}); "
                 f"allowed: {', '.join(sorted(allowed))}")
+    check_knobs(d.name, d.args, f" ({_pos(d.span)})")
 
 
 def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[str] = frozenset()) -> None:
