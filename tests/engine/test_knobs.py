@@ -350,3 +350,60 @@ def test_knobs_in_range_compile():
 def test_beam_decoders_take_no_knobs(decoder):
     with pytest.raises(LMQNotSupportedError, match="unknown argument"):
         lmq.Query(f'{decoder}\n    "a[X]"')
+
+
+# ------------------------------------------------------------------------------------- the GPU's picks
+
+@pytest.mark.gpu
+def test_the_penalties_on_a_gpu_are_transformers_and_pick_as_the_host():
+    """On CUDA tensors: `penalized` gives exactly the processor's logits on the same device, and greedy rows
+    with penalties (beside rows without) pick what the host picks from the same logits; sampled rows with
+    top-k pick only tokens transformers' processors keep."""
+    gen = torch.Generator().manual_seed(5)
+    v = 2000
+    z = torch.randn(6, v, generator=gen) * 3
+    ids = [torch.randint(0, v, (60,), generator=gen).tolist() for _ in range(6)]
+    knobs = [Knobs(repetition_penalty=1.3, frequency_penalty=0.5), None, Knobs(repetition_penalty=0.7),
+             Knobs(presence_penalty=1.0), Knobs(top_k=3, repetition_penalty=1.5), None]
+    draws = [Draw(1.0 if k and k.top_k else 0.0, 1.0, 0.3, None, None, k, tokens_of(i[:-5], i[-5:]) if k else None)
+             for i, k in zip(ids, knobs)]
+    cuda = z.cuda()
+    got = penalized(cuda.clone(), draws[:3])
+    repeated = transformers_scores(cuda[0], ids[0], Knobs(repetition_penalty=1.3))
+    want = openai_penalties(repeated, draws[0].tokens.counts, 0.5, 0.0)
+    assert torch.allclose(got[0].double(), want, atol=1e-5, rtol=0)
+    assert torch.equal(got[1], cuda[1]) and torch.equal(got[2], transformers_scores(cuda[2], ids[2], knobs[2]))
+    on_gpu, on_host = sample(cuda, draws).tolist(), sample(z, draws).tolist()
+    assert [t for t, d in zip(on_gpu, draws) if d.temperature == 0] == \
+        [t for t, d in zip(on_host, draws) if d.temperature == 0]
+    kept = transformers_scores(cuda[4], ids[4], knobs[4], 1.0) > float("-inf")
+    assert int(kept.sum()) == 3 and bool(kept[on_gpu[4]])
+
+
+GREEDY = '"Once upon a time, {x}[A]" where len(TOKENS(A)) < 20'
+KNOBBED = f"argmax(repetition_penalty=1.5, frequency_penalty=0.5)\n{GREEDY}"
+SAMPLED_TOP_K = f"sample(n=2, temperature=0.8, seed=4, top_k=5, presence_penalty=0.5)\n{GREEDY}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_rows_with_knobs_beside_rows_the_device_picks(tokenizer, device):
+    """Greedy rows without knobs (which a GPU step picks on the device, and runs ahead on while they are
+    alone), greedy rows with penalties and sampled rows with top-k and a penalty, arriving at different
+    steps: the values of a backend whose device makes no picks (the host picks every row from the logits),
+    float32; the penalties changed values."""
+    from test_fused_engine import ahead_and_plain, llama
+
+    model = llama(device, 256, 2, 4)
+    model.lm_head.weight.data *= 10  # a trained model's peaked distributions (see test_fused_engine)
+    ahead, plain = ahead_and_plain(model, tokenizer)
+
+    async def late(backend, i):
+        await asyncio.sleep(0.002 * (i % 3))  # arrive at different steps
+        source = (GREEDY, KNOBBED, SAMPLED_TOP_K)[i % 3]
+        result = await lmq.Query(source, model=backend).run({"x": "word " * i})
+        return [r.variables for r in result] if isinstance(result, list) else result.variables
+
+    want = await asyncio.gather(*(late(plain, i) for i in range(9)))
+    assert await asyncio.gather(*(late(ahead, i) for i in range(9))) == want
+    unpenalised = [(await lmq.Query(GREEDY, model=plain).run({"x": "word " * i})).variables for i in (1, 4, 7)]
+    assert [want[i] for i in (1, 4, 7)] != unpenalised
