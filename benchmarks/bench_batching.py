@@ -1,4 +1,4 @@
-"""Batching benchmark (issue: async batched queries). Same workloads as bench_prefix_cache.py, concurrent:
+"""Batching benchmark. Same workloads as bench_prefix_cache.py, concurrent:
 
   W1: 20 concurrent few-shot classification calls (asyncio.gather): amortized time per call, against the
       same 20 calls one after another through lmq, and HF `generate` on one left-padded batch of the 20 prompts.
@@ -6,12 +6,14 @@
       `generate` on a left-padded batch of the 8 histories each turn.
 
     python benchmarks/bench_batching.py                       # CPU, the default model (SmolLM2-135M)
+    python benchmarks/bench_batching.py --first-run           # W1's first concurrent run of a new process
     python benchmarks/bench_batching.py --random llama-1b --device cuda --dtype bfloat16   # GPU, random weights
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -58,7 +60,7 @@ def timed(coro_factory) -> float:
     return time.perf_counter() - t
 
 
-def w1(backend, calls: int) -> None:
+def w1(backend, calls: int, first_run: bool = False, peer: bool = True) -> None:
     shots = W.w1_shots()
     # Each run prefills reviews of its own: the timed ones, the one-after-another ones and the warm-up ones.
     reviews, other_reviews = (W.w1_reviews(calls, seed=s) for s in (1, 2))
@@ -79,25 +81,38 @@ def w1(backend, calls: int) -> None:
         warm_reviews = W.w1_reviews(calls, seed=next(warm_seeds))
         await asyncio.gather(*(q.run({"shots": shots, "review": r}) for r in warm_reviews))
 
-    W.until_calibrated(lambda: asyncio.run(warm_up()))  # (on the CPU: until no new kernel class is measured)
+    if not first_run:  # (on the CPU: until no new kernel class is measured)
+        W.until_calibrated(lambda: asyncio.run(warm_up()))
+    measured = len(cpu_choices())
     steps = []
     backend.on_step(steps.append)
     t_con = timed(concurrent)
     backend.on_step(None)
+    measured = len(cpu_choices()) - measured
     encode = backend.vocab.encode
     prompts = [encode(shots + "Review: " + r + "\nSentiment:") for r in reviews]
-    model = W.plain_model(backend.model)
-    t = time.perf_counter()
-    hf_batch_generate(model, prompts, 1)
-    t_hf = time.perf_counter() - t
-    print(f"\nW1, {calls} calls, ~{len(prompts[0])} prompt tokens each (seconds per call, amortized)")
-    print(f"  lmq concurrent        {t_con / calls:8.4f}")
+    t_hf = float("nan")
+    if peer:
+        model = W.plain_model(backend.model)
+        t = time.perf_counter()
+        hf_batch_generate(model, prompts, 1)
+        t_hf = time.perf_counter() - t
+    print(f"\nW1, {calls} calls, ~{len(prompts[0])} prompt tokens each (seconds per call, amortized)"
+          + (": the process's first concurrent run" if first_run else ""))
+    print(f"  lmq concurrent        {t_con / calls:8.4f}   ({t_con / t_seq:.2f}x one after another's time a call; "
+          f"{measured} CPU kernel classes measured inside it)")
     print(f"  lmq one after another {t_seq / calls:8.4f}   ({t_seq / t_con:.1f}x slower)")
     print(f"  HF generate, batch    {t_hf / calls:8.4f}   ({t_hf / t_con:.1f}x slower)")
     print(f"  lmq steps: {[(s.kind, s.batch_size, s.new_tokens) for s in steps]}")
 
 
-def w2(backend, rounds: int = 1) -> None:
+def cpu_choices() -> dict:
+    from lmq_kernels import cpu
+
+    return cpu.choices()
+
+
+def w2(backend, rounds: int = 1, peer: bool = True) -> None:
     q = lmq.Query(W.W2_QUERY, model=backend)
 
     def chats_of(who: str, k: int) -> list[dict]:  # each round its own texts: no round reuses another's cache
@@ -132,15 +147,17 @@ def w2(backend, rounds: int = 1) -> None:
     t_seq, t_con = statistics.median(seqs), statistics.median(cons)
     encode = backend.vocab.encode
     histories = [encode("<|im_start|>system\n" + W.W2_SYSTEM + "<|im_end|>\n") for _ in chats]
-    model = W.plain_model(backend.model)
-    t = time.perf_counter()
-    for turn in range(len(W.W2_TURNS)):
-        for c, h in zip(chats, histories):
-            h += encode("<|im_start|>user\n" + c["turns"][turn] + "<|im_end|>\n<|im_start|>assistant\n")
-        outs = hf_batch_generate(model, histories, W.W2_ANSWER_TOKENS)
-        for h, out in zip(histories, outs):
-            h += out + encode("<|im_end|>\n")
-    t_hf = time.perf_counter() - t
+    t_hf = float("nan")
+    if peer:
+        model = W.plain_model(backend.model)
+        t = time.perf_counter()
+        for turn in range(len(W.W2_TURNS)):
+            for c, h in zip(chats, histories):
+                h += encode("<|im_start|>user\n" + c["turns"][turn] + "<|im_end|>\n<|im_start|>assistant\n")
+            outs = hf_batch_generate(model, histories, W.W2_ANSWER_TOKENS)
+            for h, out in zip(histories, outs):
+                h += out + encode("<|im_end|>\n")
+        t_hf = time.perf_counter() - t
     decodes = [s.batch_size for s in steps if s.kind == "decode"]
     print(f"\nW2, {CHATS} chats x {len(W.W2_TURNS)} turns (total seconds)")
     print(f"  lmq concurrent        {t_con:8.3f}")
@@ -161,17 +178,26 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1, help="W2: rounds of one after another and at once, alternating")
+    ap.add_argument("--first-run", action="store_true",
+                    help="W1 without the warm-up rounds before its concurrent run (the backend's own warm-up only)")
+    ap.add_argument("--only", choices=("w1", "w2"), default=None)
+    ap.add_argument("--no-peer", action="store_true", help="skip HF generate (the peer) for a quick run")
     args = ap.parse_args()
     if args.random and args.tokenizer is None:
         from lmq_backend.backend.default_model import default_model_dir
 
         args.tokenizer = str(default_model_dir())
+    t = time.perf_counter()
     backend = backend_for(args)
+    made = time.perf_counter() - t
+    print(f"backend made in {made:.1f} s (the CPU kernels' warm-up included), load average {os.getloadavg()[0]:.1f}")
     print(f"torch {torch.__version__}, {args.device}, {args.random or args.model}, {args.dtype}, "
           f"fused decode: {backend.runner.fused}"
           + (f", CPU {W.cpu_host()}" if args.device == "cpu" else ""))
-    w1(backend, args.calls)
-    w2(backend, args.rounds)
+    if args.only != "w2":
+        w1(backend, args.calls, args.first_run, not args.no_peer)
+    if args.only != "w1":
+        w2(backend, args.rounds, not args.no_peer)
 
 
 if __name__ == "__main__":

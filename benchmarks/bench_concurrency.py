@@ -1,4 +1,4 @@
-"""N concurrent few-shot queries (issue: paged radix KV): throughput, K/V memory at peak against the K/V of the
+"""N concurrent few-shot queries: throughput, K/V memory at peak against the K/V of the
 unique tokens, against plain HF `generate` on one left-padded batch of the same texts.
 
 Workload: one compiled query, a ~1,060-token shared few-shot prefix, each call's own ~25-token review, then

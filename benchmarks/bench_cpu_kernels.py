@@ -43,7 +43,7 @@ import workloads as W  # noqa: E402
 
 from lmq_kernels import cpu  # noqa: E402
 from lmq_kernels.cpu import benches as cpu_benches  # noqa: E402
-from lmq_kernels.cpu.build import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
+from lmq_kernels.cpu.toolchain import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
 from lmq_kernels.cpu.calibration import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

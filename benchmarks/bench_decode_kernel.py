@@ -12,7 +12,7 @@ read from HBM as in a real decode step where the weights flush L2):
   sdpa_nm  torch SDPA without mask (lower bound for what SDPA can do; wrong for padded rows)
   ref      decode_attention_reference (plain torch, fp32 math)
 Per-layer time = graph time / number of layer calls.  Floor = bytes of the valid
-K/V (+ q, out) / 4.3 TB/s (measured D2D copy bandwidth of the H200 here).
+K/V (+ q, out) / HBM_BW (a device-to-device copy bandwidth measured on the reference GPU).
 
 Run:  python benchmarks/bench_decode_kernel.py [--quick]
 """

@@ -222,7 +222,7 @@ def main() -> None:
     from lmq_backend.backend.default_model import default_model_dir
 
     vocab = VocabIndex.for_tokenizer(AutoTokenizer.from_pretrained(str(default_model_dir())))
-    vocab.ll_tokenizer()  # built once per tokenizer (~0.5 s), not part of any call
+    vocab.ll_tokenizer()  # built once per tokenizer, not part of any call
     if args.only != "compare":
         parse_and_steps(vocab)
     if args.only != "parse":

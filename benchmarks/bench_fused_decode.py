@@ -4,7 +4,7 @@ For SmolLM2-135M- and Llama-3.2-1B-shaped models, batch 1 and 16:
   hf     HF forward (sdpa) of 1 token with a DynamicCache of 2047 tokens and an all-ones mask
   fused  lmq FusedDecoder.step (CUDA graphs) from device tensors, the whole step incl. its input copies;
          `step_host` = the engine's entry (inputs from host lists in one copy); `graph` = replay alone
-  floor  (weight bytes + K/V bytes of the step) / 4.3 TB/s
+  floor  (weight bytes + K/V bytes of the step) / HBM_BW
 Then end-to-end on the 1B shape: a 2,050-token prompt + 32 greedy new tokens, HF `generate` vs
 (lmq's fused prefill into the pool + 31 fused steps, argmax on the GPU), and the prefill alone: fused vs
 HF forward (K/V copied into the pool).
@@ -24,7 +24,7 @@ import types
 
 import torch
 
-HBM_BW = 4.3e12  # B/s, measured D2D copy bandwidth of the H200
+HBM_BW = 4.3e12  # B/s, a device-to-device copy bandwidth measured on the reference GPU
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 

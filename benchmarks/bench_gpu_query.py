@@ -1,4 +1,4 @@
-"""End-to-end query on the GPU (issue: fused decode): a 2,050-token prompt, then 32 greedy tokens, through
+"""End-to-end query on the GPU: a 2,050-token prompt, then 32 greedy tokens, through
 lmq (fused prefill into the KV pool + fused, CUDA-graph captured decode steps) against HF `generate`; and the
 same engine with its prefills through the model's own forward.
 Random weights of a Llama-3.2-1B shape in bf16; speed does not depend on weight values.

@@ -1,7 +1,7 @@
-"""A query's host work at N concurrent calls, with the model's share taken out (issue: paged radix KV).
+"""A query's host work at N concurrent calls, with the model's share taken out.
 
-On a GPU, lmq's N = 1,024 round is host-bound: the device does ~0.2 s of work a round, the round takes ~0.5 s
-(benchmarks/RESULTS.md, twenty-ninth session). This measures the host's part where it can be measured
+On a GPU, lmq's N = 1,024 round is host-bound: the device's work is well under half of the round
+(benchmarks/RESULTS.md). This measures the host's part where it can be measured
 alone, on the CPU: `bench_concurrency.py`'s query and texts (a ~1,060-token shared few-shot prefix, each
 call's own review, a hole of up to 16 tokens), the default model's tokenizer, and a random-weight Llama of
 one small layer (head dim 64, so that lmq's C decode attention runs: what remains of the model is small).

@@ -1,16 +1,18 @@
-"""LMQL plugin benchmark (issue #7): the W1 few-shot query written in LMQL, run by LMQL 0.7.3 on
+"""LMQL plugin benchmark: the W1 few-shot query written in LMQL, run by LMQL 0.7.3 on
 
-  lmql-hf   LMQL's own transformers backend, `lmql.model("local:<dir>")`: the whole prompt every call
-  lmq       `lmql.model("local:lmq:default")` (lmq_backend.lmql.plugin): the prefix trie of KV caches
+  lmq       `lmql.model("local:lmq:default")` (lmq_backend.lmql): the prefix trie of KV caches, in lmq's model
+            process (LMQL's default `local:` mode)
+  own       the same query in lmq's own language (benchmarks/workloads.py W1_QUERY), in this process
+  lmql-hf   LMQL's own transformers backend, `lmql.model("local:<dir>")`: the whole prompt every call (the peer;
+            `--no-peer` leaves it out)
 
-with the same model (the default SmolLM2-135M folder, no hub), in one run, calls alternating between the
-two, both in LMQL's default `local:` mode (the model in a subprocess); prints per-call medians, the ratio
-and the answers' agreement (greedy). Then lmq alone in-process (`async_transport=True`, where its trie
-statistics can be read; LMQL's transformers backend reloads its model every query in that mode, so it is
-not compared there), with one token per call under a choice's mask (lmq's default) and with LMQL's
-16-token speculative chunk (`mask_chunk=16`).
+with the same model (the default SmolLM2-135M folder, no hub), in one run, calls alternating between them;
+prints per-call medians, lmq's ratio to lmq's own language, the same for
+`--gathered` calls at once (amortized), and the answers' agreement (greedy). Then lmq alone in-process
+(`async_transport=True`, where its trie statistics can be read), with one token per call under a choice's
+mask (lmq's default) and with LMQL's 16-token speculative chunk (`mask_chunk=16`).
 
-    python benchmarks/bench_lmql.py [--calls 10]
+    python benchmarks/bench_lmql.py [--calls 10] [--gathered 20] [--no-peer]
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as W  # noqa: E402
 
 import lmql  # noqa: E402
+import torch  # noqa: E402
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402
@@ -37,34 +40,52 @@ return CLS
 '''
 
 
-async def timed(query, shots, reviews, times, answers) -> None:
-    for review in reviews:
-        t = time.perf_counter()
-        answers.append(await query(shots=shots, review=review))
-        times.append(time.perf_counter() - t)
-
-
-async def main(calls: int) -> None:
+async def main(calls: int, gathered: int, peer: bool) -> None:
     folder = str(default_model_dir())
     shots, reviews = W.w1_shots(), W.w1_reviews(calls)
-    queries = {"lmql-hf": lmql.query(W1_LMQL, model=lmql.model(f"local:{folder}", tokenizer=folder)),
-               "lmq": lmql.query(W1_LMQL, model=lmq_lmql.model("default"))}
-    for q in queries.values():  # loads the model; for lmq, the shared prefix enters the trie once
-        await q(shots=shots, review="warm-up")
+    own_query = lmq_backend.Query(W.W1_QUERY, model=lmq_backend.get_backend("default"))
+
+    async def own(**inputs):
+        return (await own_query.run(inputs)).variables["CLS"]
+
+    queries = {"lmq": lmql.query(W1_LMQL, model=lmql.model("local:lmq:default")), "own": own}
+    if peer:
+        queries["lmql-hf"] = lmql.query(W1_LMQL, model=lmql.model(f"local:{folder}", tokenizer=folder))
+    for q in queries.values():  # loads the models; the shared prefix enters the tries once
+        for warm in ("warm-up", "warm-up again"):
+            await q(shots=shots, review=warm)
     times = {name: [] for name in queries}
     answers = {name: [] for name in queries}
     for i, review in enumerate(reviews):
-        order = list(queries) if i % 2 == 0 else list(queries)[::-1]  # alternate: fair under a noisy CPU
+        order = list(queries)[i % len(queries):] + list(queries)[:i % len(queries)]  # rotate: fair under noise
         for name in order:
-            await timed(queries[name], shots, [review], times[name], answers[name])
+            t = time.perf_counter()
+            answers[name].append(await queries[name](shots=shots, review=review))
+            times[name].append(time.perf_counter() - t)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"W1 via LMQL 0.7.3: {calls} calls, a ~{len(shots) // 4}-token prompt of shots + a new review, "
-          f"3-way choice; local: (subprocess) mode; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"W1 via LMQL 0.7.3: {calls} calls, a ~{len(shots) // 4}-token prompt of shots + a new review, 3-way "
+          f"choice; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs")
     for name in queries:
         print(f"  {name:8s} median {med[name]:6.3f} s/call   (min {min(times[name]):.3f}, max {max(times[name]):.3f})")
-    print(f"  speed-up of lmq over LMQL's transformers backend: {med['lmql-hf'] / med['lmq']:.1f}x")
-    agree = sum(a == b for a, b in zip(answers["lmql-hf"], answers["lmq"]))
-    print(f"  answers agree (greedy): {agree}/{calls}")
+    print(f"  lmq (LMQL) / lmq's own language, per call: {med['lmq'] / med['own']:.2f}x")
+    if peer:
+        print(f"  speed-up of lmq over LMQL's transformers backend: {med['lmql-hf'] / med['lmq']:.1f}x")
+        agree = sum(a == b for a, b in zip(answers["lmql-hf"], answers["lmq"]))
+        print(f"  answers agree with LMQL's transformers backend (greedy): {agree}/{calls}")
+    print(f"  answers agree with lmq's own language: {sum(a == b for a, b in zip(answers['own'], answers['lmq']))}"
+          f"/{calls}")
+
+    if gathered:
+        at_once = {}
+        for k, name in enumerate(("lmq", "own", "lmq", "own")):  # each side twice, new reviews each time
+            batch = W.w1_reviews(gathered, seed=20 + k)
+            t = time.perf_counter()
+            await asyncio.gather(*(queries[name](shots=shots, review=r) for r in batch))
+            at_once.setdefault(name, []).append((time.perf_counter() - t) / gathered)
+        lm, ow = min(at_once["lmq"]), min(at_once["own"])
+        print(f"  {gathered} calls at once, s/call amortized (best of 2): lmq (LMQL) {lm:.4f}, own {ow:.4f}: "
+              f"{lm / ow:.2f}x")
 
     backend = lmq_backend.get_backend("default")
     in_process = {}
@@ -73,17 +94,23 @@ async def main(calls: int) -> None:
         await q(shots=shots, review="warm-up")
         backend.reset_stats()
         t_in, a_in = [], []
-        await timed(q, shots, reviews, t_in, a_in)
+        for review in reviews:
+            t = time.perf_counter()
+            a_in.append(await q(shots=shots, review=review))
+            t_in.append(time.perf_counter() - t)
         s = backend.stats()
         in_process[chunk] = a_in
         print(f"  lmq in-process, mask_chunk={chunk:2d}: median {statistics.median(t_in):.3f} s/call; trie: "
               f"{s.tokens_reused}/{s.tokens_requested} prompt tokens reused (hit rate {s.token_hit_rate:.1%}), "
               f"{s.tokens_prefilled} prefilled, {s.tokens_decoded} decoded; same answers: {a_in == answers['lmq']}")
-    if agree != calls or any(a != answers["lmq"] for a in in_process.values()):
+    if (peer and answers["lmql-hf"] != answers["lmq"]) or any(a != answers["lmq"] for a in in_process.values()):
         sys.exit("answers differ")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=10)
-    asyncio.run(main(p.parse_args().calls))
+    p.add_argument("--gathered", type=int, default=20, help="calls at once for the batched comparison (0: none)")
+    p.add_argument("--no-peer", action="store_true", help="leave out LMQL's transformers backend")
+    a = p.parse_args()
+    asyncio.run(main(a.calls, a.gathered, not a.no_peer))

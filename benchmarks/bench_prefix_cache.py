@@ -1,4 +1,4 @@
-"""Prefix-cache benchmark (issue: prefix trie). Two workloads, three ways, one run:
+"""Prefix-cache benchmark. Two workloads, three ways, one run:
 
   lmq          the query, with the prefix trie
   hf-scratch   `model.generate` on the whole prompt every call

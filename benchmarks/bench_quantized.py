@@ -4,7 +4,7 @@ SmolLM2-135M's GEMMs (K x N: the fused step's q/k/v 576x960, o_proj 576x576, gat
 1536x576, k/v 576x192, the lm_head 576x49152) at M = 1..16 rows: float32 `torch.mm` on K-major weights
 (the fused step's layout), lmq's float32 small-M kernel where calibration chose it (`small_m_mm`), torch's
 weight-only kernels (`_weight_int8pack_mm` per channel, `_weight_int4pack_mm_for_cpu` groups of 32) and
-lmq's (`QuantizedLinear.mm`: lmq_kernels.triton/qgemm.c, int8 and int4 (as Q4_1) with groups of 32).
+lmq's (`QuantizedLinear.mm`: kernels/cpu/qgemm.c, int8 and int4 (as Q4_1) with groups of 32).
 Weights come from a ring of copies larger than the last-level cache (a decode step reads each layer's weights
 cold); the sides alternate sample by sample; process CPU time per call (the host is shared: CPU time moves
 less with the load than wall time; the clock ticks in ms, so a sample is 16 calls), median of `--reps`.

@@ -1,4 +1,4 @@
-"""lmq over Ray (issue #17): a few-shot workload of N calls on 2 replicas against 1 replica: throughput, token
+"""lmq over Ray: a few-shot workload of N calls on 2 replicas against 1 replica: throughput, token
 hit rate, and what routing and Ray cost per call.
 
 Workload: W1's query (workloads.py) with `--tasks` different few-shot prefixes (`--shots` labeled reviews

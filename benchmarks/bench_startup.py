@@ -1,4 +1,4 @@
-"""Start-up times (issue #16), each in a fresh interpreter, the default model already converted:
+"""Start-up times, each in a fresh interpreter, the default model already converted:
 
   import       `python -c "import lmq_backend"`
   plugin       `python -c "import lmq_backend.lmql.plugin"`

@@ -1,5 +1,6 @@
-"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M]` and
-`lmq profile FILE.lmq --inputs data.jsonl [...]` (see `lmq_backend.profile`)."""
+"""The `lmq` command line: `lmq run FILE.lmq [--var k=v ...] [--model M] [--stream]`,
+`lmq profile FILE.lmq --inputs data.jsonl [...]` (see `lmq_backend.profile`) and `lmq cache ls|clear` (the
+disk tier of the prefix cache: `lmq_backend.cache.disk_tier`)."""
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,40 @@ def _jsonable(value):
         return repr(value)
 
 
+def _run_streaming(query, inputs: dict):
+    """Print the prompt and the holes' text as the query writes and decides it (a chat's messages each on a line
+    of their own, after their role); the result once done."""
+    import asyncio
+
+    async def printing():
+        async for event in query.stream(**inputs):
+            if event.done:
+                print(flush=True)
+                return event.result
+            if event.variable is None and event.role is not None and not event.text:  # a message opens
+                print(f"\n{event.role}: ", end="")
+            print(event.text, end="", flush=True)
+
+    return asyncio.run(printing())
+
+
 def cmd_run(args) -> int:
     import lmq_backend as lmq
 
     query = lmq.Query(_read_source(args.file), name=args.file if args.file != "-" else "stdin",
                       model=args.model)
-    result = query.run_sync(**_parse_vars(args.var))
+    inputs = _parse_vars(args.var)
+    if args.stream and query.decoder.n == 1 and not query.decoder.beam and not args.json:
+        result = _run_streaming(query, inputs)
+        if isinstance(result, lmq.Result):
+            print("---")
+            for name, value in result.variables.items():
+                print(f"{name} = {value!r}")
+        else:
+            print("---")
+            print(result)
+        return 0
+    result = query.run_sync(**inputs)
     # a list is n results only for n > 1: a query may also return a list (one result, printed as itself)
     results = result if query.decoder.n > 1 or query.decoder.beam else [result]
     if args.json:
@@ -77,6 +106,54 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _cache_folder(args):
+    from pathlib import Path
+
+    from .cache.disk_tier import default_folder
+
+    folder = Path(args.dir).expanduser() if args.dir else default_folder()
+    if folder is None:
+        raise SystemExit("lmq: the disk tier is off ($LMQ_DISK_CACHE); name a folder with --dir")
+    return folder
+
+
+def cmd_cache_ls(args) -> int:
+    from .cache.disk_tier import usage
+    from .cache.stats import format_bytes
+
+    folder = _cache_folder(args)
+    models = usage(folder)
+    if args.json:
+        print(json.dumps({"folder": str(folder), "models": [
+            {"key": u.key, "files": u.files, "bytes": u.bytes, **u.description} for u in models]}, indent=2))
+        return 0
+    print(f"disk tier: {folder}")
+    if not models:
+        print("no cached K/V")
+        return 0
+    rows = [("model", "key", "dtype", "device", "files", "bytes")]
+    for u in models:
+        d = u.description
+        rows.append((str(d.get("name", "?")), u.key[:12], str(d.get("weights_dtype", d.get("dtype", "?"))),
+                     str(d.get("device", "?")), str(u.files), format_bytes(u.bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print(f"total: {sum(u.files for u in models)} files, {format_bytes(sum(u.bytes for u in models))} "
+          f"in {len(models)} model{'s' * (len(models) != 1)}")
+    return 0
+
+
+def cmd_cache_clear(args) -> int:
+    from .cache.disk_tier import clear
+    from .cache.stats import format_bytes
+
+    folder = _cache_folder(args)
+    files, nbytes = clear(folder, args.model)
+    print(f"removed {files} files, {format_bytes(nbytes)} from {folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmq", description="Run LMQL-style queries on local Hugging Face models, with a prefix KV cache.")
@@ -88,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None,
                      help='model to use instead of the query\'s `from`: "default", "hf:<dir>" or a registered name')
     run.add_argument("--json", action="store_true", help="print the results as JSON")
+    run.add_argument("--stream", action="store_true",
+                     help="print the prompt and each hole's text as it is decided (one result: not for sample(n>1) "
+                          "or beam decoders, which print their results at the end)")
     run.set_defaults(func=cmd_run)
     profile = sub.add_parser(
         "profile", help="run a query over a JSONL file of inputs and report cache hit rates and latency",
@@ -103,6 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
                               "here, NAME uses the served endpoint of that name; prints the replicas' statistics "
                               "summed, then per replica")
     profile.set_defaults(func=cmd_profile)
+    cache = sub.add_parser(
+        "cache", help="show or clear the prefix cache's disk tier",
+        description="The disk tier keeps long prompt prefixes' K/V in files, so that a later process with the same "
+                    "model prefills only what is new. Its folder: --dir, else $LMQ_DISK_CACHE, else "
+                    "~/.cache/lmq/kv ($LMQ_CACHE_DIR/kv).")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ls|clear")
+    ls = cache_sub.add_parser("ls", help="list the models with cached K/V: files and bytes")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=cmd_cache_ls)
+    clear = cache_sub.add_parser("clear", help="remove the cached K/V files (of every model, or of one)")
+    clear.add_argument("--model", default=None, metavar="KEY|NAME",
+                       help="only this model's files: a key (or its start, as `ls` shows it) or a name")
+    clear.set_defaults(func=cmd_cache_clear)
+    for p in (ls, clear):
+        p.add_argument("--dir", default=None, help="the disk tier's folder (default: as above)")
     return parser
 
 

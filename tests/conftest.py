@@ -1,11 +1,29 @@
-"""Shared fixtures: the embedded default model, and tiny random-weight models on its tokenizer."""
+"""Shared fixtures: the embedded default model, and tiny random-weight models on its tokenizer; the skip policy
+(tests/support/skip_policy.py: a test skips only where the host cannot run it by design).
+
+On a host without CUDA, TRITON_INTERPRET=1 is set here, before anything imports triton, so that the Triton
+kernels' `interpreter` tests run in this process under Triton's interpreter (triton binds the mode at import);
+the engine itself never runs Triton on the CPU."""
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer
+import os
 
-from lmq_backend.backend.default_model import default_model_dir
-from support.tiny import MODELS
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
+from support.tiny import MODELS  # noqa: E402
+
+pytest_plugins = ["support.skip_policy"]
+
+# No disk tier unless a test names its folder: tests must not read K/V files that earlier tests (or runs) wrote.
+# Set here, so `lmq` processes that tests start inherit it.
+os.environ["LMQ_DISK_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,6 @@ LAYERS = [
 # once its import is gone). Kinds: "circle" (modules in one import circle), "private" (module -> the private
 # name it takes from another), "missing" (an import of a module the package does not have).
 KNOWN = {
-    ("circle", "lmq_kernels.cpu, lmq_kernels.cpu.attention, lmq_kernels.cpu.picks, lmq_kernels.cpu.quantized"),
     ("private", "lmq_backend.distributed.serve -> lmq_backend.distributed.cluster._ray"),
     ("private", "lmq_backend.language.parser -> lmq_backend.language.source._Source"),
     ("private", "lmq_backend.language.python_code -> lmq_backend.language.source._Source"),
@@ -46,7 +45,6 @@ KNOWN = {
     ("private", "lmq_backend.language.transformer -> lmq_backend.language.where._ConstraintBuilder"),
     ("private", "lmq_backend.language.transformer -> lmq_backend.language.where._combine"),
     ("private", "lmq_backend.language.where -> lmq_backend.language.python_code._PyText"),
-    ("private", "lmq_backend.lmql.process -> lmq_backend.lmql.plugin._backend"),
     ("private", "lmq_backend.runtime.constraints.checks -> lmq_backend.runtime.constraints.llg._llg_validate"),
     ("private", "lmq_backend.runtime.constraints.checks -> lmq_backend.runtime.constraints.selection._conjuncts"),
     ("private", "lmq_backend.runtime.constraints.checks -> lmq_backend.runtime.constraints.selection._span"),
@@ -69,18 +67,9 @@ KNOWN = {
     ("private", "lmq_backend.runtime.constraints.masks -> lmq_backend.runtime.constraints.nodes._State"),
     ("private", "lmq_kernels.triton.decode_attention -> lmq_kernels.triton.decode_kernels._stage1_src"),
     ("private", "lmq_kernels.triton.decode_attention -> lmq_kernels.triton.decode_kernels._stage2_src"),
-    *(("private", f"lmq_kernels.cpu.{m} -> lmq_kernels.cpu.{name}")
-      for m, names in {"attention": ("_forced", "_load", "_rows_ok", "_up"), "step": ("_load", "_rows_ok"),
-                       "picks": ("_forced", "_load", "_rows_ok", "_up"), "quantized": ("_forced", "_load", "_up")
-                       }.items() for name in names),
-    ("private", "lmq_backend.engine.fused.cpu_step -> lmq_kernels.cpu._up"),  # (the CPU library's size classes)
     ("circle", "lmq_backend.lmql.hook, lmq_backend.lmql.plugin, lmq_backend.lmql.process"),
     ("private", "lmq_backend.text.vocab_cache -> lmq_backend.text.vocab._ATTR"),
     ("private", "lmq_backend.text.vocab_cache -> lmq_backend.text.vocab._registry_lock"),
-    *(("missing", f"lmq_backend.lmql.{m} -> lmq_backend.lmql.{name}")
-      for m, names in {"calls": ("backend.protocol", "runtime.constraints", "runtime.decoders"),
-                       "plugin": ("backend.registry", "backend.default_model", "backend.hf", "errors")}.items()
-      for name in names),
 }
 
 
@@ -97,6 +86,7 @@ def modules() -> dict[str, Path]:
     """Every module of the packages, by dotted name (a package by its own name)."""
     found = {}
     for package, folder in PACKAGES.items():
+        found[package] = folder  # (a namespace package, `lmq_grammar`: its folder, no __init__.py to read)
         for path in folder.rglob("*.py"):
             parts = [package, *path.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -114,6 +104,8 @@ def _type_checking(node: ast.If) -> bool:
 def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[list[Import], list[tuple[str, str, int]]]:
     """The package imports of one module (`known`: every module), and its uses of a private attribute of a
     module it imported ((module imported, attribute, line))."""
+    if path.is_dir():  # a namespace package: no code of its own
+        return [], []
     tree = ast.parse(path.read_text(), filename=str(path))
     found: list[Import] = []
     bound: dict[str, str] = {}  # local name -> the package module it is bound to

@@ -15,19 +15,16 @@
  * second pass combines a (row, head)'s chunks in order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
  * Within a task the group's query heads share each K and V row's load (as many heads at once as the
  * registers hold), and a score's horizontal sum is done for VL columns at once (one shuffle tree for VL
- * product vectors instead of one per column): 8 rows x 530 columns of a W2 step (9 / 3 heads, D 64, Zen 4),
- * 158 -> 111 us a layer from cache, 226 -> 194 us cold. Consecutive rows whose chunk holds the same slots
- * (a prefix they share in the trie) are one task (cascade): the chunk's K/V is read once for all their
- * heads; 4-32 rows on a 1,000-2,000-token prefix 10-28% faster (benchmarks/RESULTS.md, twenty-first
- * session).
+ * product vectors instead of one per column). Consecutive rows whose chunk holds the same slots (a prefix
+ * they share in the trie) are one task (cascade): the chunk's K/V is read once for all their heads.
  *
  * Exactness: every product chain is written out in fma_vf (not left to -ffp-contract, which fused one or the
  * other product of a chain's first two), a score's lanes are added in one fixed tree, and the chunks of a row
  * depend on its own columns only, each sum in a fixed order: a row gets the same bits in any batch, on any
- * number of threads (tasks may run on any thread: each writes its own partial), in either path (cpu.py's
- * per-op call and step.c's fused step run this body).
+ * number of threads (tasks may run on any thread: each writes its own partial), in either path (the per-op
+ * call and step.c's fused step run this body).
  *
- * Built with gemm.c into one library (see cpu.py); OpenMP: the process's runtime (torch's libgomp).
+ * Built with gemm.c into one library (see __init__.py); OpenMP: the process's runtime (torch's libgomp).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -38,8 +35,7 @@
 #ifndef PF
 #define PF 8         /* K/V rows prefetched ahead (a task's streams are short for the hardware prefetchers), into
                         L2 (locality 2): the V rows are read only after the chunk's scores, and prefetched
-                        non-temporally (locality 0) they were gone by then on Zen 4 (8 rows x 450 columns,
-                        30 cold layers: 400 -> 310 us a layer, AVX-512 and AVX2 builds alike) */
+                        non-temporally (locality 0) they would be gone by then */
 #endif
 #ifndef LMQ_ATTN_CH
 #define LMQ_ATTN_CH 128   /* columns a task */

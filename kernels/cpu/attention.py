@@ -8,13 +8,16 @@ from there), on the paged K/V store read through page tables:
 Both take float32 operands, k and v [slots, Hkv, D] (one layer of the store, any strides but the last),
 int32 page tables [rows, columns] (column -> slot, unit column stride), and return False (nothing
 computed) where they cannot run the operands or calibration chose torch's form (gather the rows' columns,
-then torch's fused attention): see cpu.py.
+then torch's fused attention): `choose_attention` and `choose_prefill_attention` are their classes.
 """
 from __future__ import annotations
 
 import torch
 
-from . import benches as _benches
+from . import benches
+from .library import choose, forced, load, rows_ok, size_class
+
+__all__ = ["attention", "prefill_attention", "choose_attention", "choose_prefill_attention", "HEAD_DIMS"]
 
 # any row count (calibration decides; one row is only Hkv tasks to share between the threads, but torch's
 # side gathers the row's columns first), the head dims the kernels are built for
@@ -22,7 +25,7 @@ MIN_ROWS, HEAD_DIMS = 1, (64, 128, 256)
 
 
 def _store_ok(k: torch.Tensor, v: torch.Tensor, d: int) -> bool:
-    return k.dim() == 3 and k.shape[2] == d and v.shape == k.shape and cpu._rows_ok(k, v)
+    return k.dim() == 3 and k.shape[2] == d and v.shape == k.shape and rows_ok(k, v)
 
 
 def _table_ok(table: torch.Tensor, rows: int) -> bool:
@@ -31,6 +34,24 @@ def _table_ok(table: torch.Tensor, rows: int) -> bool:
 
 def _ints_ok(x: torch.Tensor, rows: int) -> bool:
     return x.dtype == torch.int32 and x.shape == (rows,) and x.is_contiguous()
+
+
+def choose_attention(b: int, hq: int, hkv: int, d: int, s: int) -> bool:
+    """Whether lmq's decode attention runs b rows over s columns of this head shape here."""
+    up = size_class
+    return choose("attention", (torch.get_num_threads(), up(b), hq, hkv, d, up(s)),
+                  lambda: benches.attention(forced(attention), up(b), hq, hkv, d, up(s)))
+
+
+def choose_prefill_attention(b: int, t: int, hq: int, hkv: int, d: int, span: int) -> bool:
+    """Whether lmq's prefill attention runs b rows of t new tokens reading `span` columns (the longest
+    row's) of this head shape here. The class is by the columns the rows read, not by the end column: the
+    pool's end column moves on with every decode step, and a class of it would be new to calibration long
+    after the first calls."""
+    up = size_class
+    return choose("prefill_attention", (torch.get_num_threads(), up(b), up(t), hq, hkv, d, up(span)),
+                  lambda: benches.prefill_attention(forced(prefill_attention), up(b), up(t), hq, hkv, d,
+                                                    up(span)))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: torch.Tensor,
@@ -43,15 +64,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
     b, hq, d = q.shape
     if b < MIN_ROWS or d not in HEAD_DIMS:
         return False
-    lib = cpu._load()
+    lib = load()
     if lib is None:
         return False
     hkv, s = k.shape[1] if k.dim() == 3 else 0, table.shape[1]
-    if (not _store_ok(k, v, d) or hkv == 0 or hq % hkv or out.shape != q.shape or not cpu._rows_ok(q, out)
+    if (not _store_ok(k, v, d) or hkv == 0 or hq % hkv or out.shape != q.shape or not rows_ok(q, out)
             or not _table_ok(table, b) or not _ints_ok(start, b)):
         return False
-    if not cpu.choose("attention", (torch.get_num_threads(), cpu._up(b), hq, hkv, d, cpu._up(s)),
-                      lambda: _benches.attention(cpu._forced(attention), cpu._up(b), hq, hkv, d, cpu._up(s))):
+    if not choose_attention(b, hq, hkv, d, s):
         return False
     lib.lmq_attention(q.data_ptr(), q.stride(0), q.stride(1),
                       k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0),
@@ -72,30 +92,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
     b, t, hq, d = q.shape
     if b < MIN_ROWS or d not in HEAD_DIMS:
         return False
-    lib = cpu._load()
+    lib = load()
     if lib is None:
         return False
     hkv = k.shape[1] if k.dim() == 3 else 0
     if (not _store_ok(k, v, d) or hkv == 0 or hq % hkv or out.shape != q.shape
-            or not cpu._rows_ok(q, out)
+            or not rows_ok(q, out)
             or (b > 1 and (q.stride(0) != t * q.stride(1) or out.stride(0) != t * out.stride(1)))
             or not _table_ok(table, b) or not t <= end <= table.shape[1]
             or not _ints_ok(start, b) or not _ints_ok(new, b)):
         return False
-    threads = torch.get_num_threads()
-    # the class by the columns the rows read (the longest row's), not by `end`: the pool's end column moves
-    # on with every decode step, and a class of it would be new to calibration long after the first calls
-    span = cpu._up(max(end - max(int(start.min()), 0), t))
-    if not cpu.choose("prefill_attention", (threads, cpu._up(b), cpu._up(t), hq, hkv, d, span),
-                      lambda: _benches.prefill_attention(cpu._forced(prefill_attention), cpu._up(b), cpu._up(t),
-                                                         hq, hkv, d, span)):
+    if not choose_prefill_attention(b, t, hq, hkv, d, max(end - max(int(start.min()), 0), t)):
         return False
     lib.lmq_prefill_attention(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1),
                               v.data_ptr(), v.stride(0), v.stride(1), table.data_ptr(), table.stride(0),
                               start.data_ptr(), new.data_ptr(), end, b, t, out.data_ptr(), out.stride(1),
-                              out.stride(2), hq, hkv, d, float(scale), threads)
+                              out.stride(2), hq, hkv, d, float(scale), torch.get_num_threads())
     return True
-
-
-# last: cpu.py imports this module at its end (either may be imported first)
-from lmq_kernels import cpu  # noqa: E402

@@ -1,7 +1,7 @@
 """What the calibration (calibration.py) times for each op: lmq's kernel and torch's counterpart (what
 lmq's engine runs when the kernel declines) on the same representative operands.
 
-Each function takes `lmq`, the op's public function with the calibration bypassed (cpu.py passes it), and
+Each function takes `lmq`, the op's public function with the calibration bypassed (`lmq_kernels.cpu` passes it), and
 the class's representative sizes, and returns (run_lmq, run_torch), each running its side once. Weights and
 K/V come from a ring of copies larger than the last-level cache (RING_BYTES): in a decode step every layer
 reads its own weights and K/V cold from memory, and an operand that stays in cache would favour the kernel
@@ -36,10 +36,20 @@ def _llc_bytes() -> int:
 RING_BYTES = min(max(2 * _llc_bytes(), 32 << 20), 256 << 20)
 
 
-def _ring(shape: tuple[int, ...]) -> torch.Tensor:
-    """[copies, *shape] float32 filled (written, so no page is shared), copies x shape >= RING_BYTES."""
+_BUFFERS: dict[int, torch.Tensor] = {}   # slot -> flat float32 memory the rings of that slot share
+
+
+def _ring(shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
+    """[copies, *shape] float32 of 0.01 (written, so no page is shared), copies x shape >= RING_BYTES. The
+    rings of one `slot` share their memory, kept for the process (benches only read their rings, and a bench
+    is done before the next one is made): its pages are touched once, not for every class measured."""
     one = 4 * int(torch.tensor(shape).prod())
-    return torch.full((max(1, -(-RING_BYTES // max(one, 1))), *shape), 0.01)
+    copies = max(1, -(-RING_BYTES // max(one, 1)))
+    n = copies * one // 4
+    flat = _BUFFERS.get(slot)
+    if flat is None or flat.numel() < n:
+        flat = _BUFFERS[slot] = torch.full((n,), 0.01)
+    return flat[:n].view(copies, *shape)
 
 
 class _Next:
@@ -60,7 +70,7 @@ def gemm(lmq, m: int, k: int, n: int, panel: int = 0):
     x, out = torch.randn(m, k), torch.empty(m, n)
     nxt = _Next(ring.shape[0])
     if panel:
-        panels = _ring((n // panel, k, panel))[:ring.shape[0]]   # as many copies: one index for both sides
+        panels = _ring((n // panel, k, panel), slot=1)[:ring.shape[0]]   # as many copies: one index for both sides
         return (lambda: lmq(x, ring[0], out, panels=panels[nxt()]),
                 lambda: torch.mm(x, ring[nxt()], out=out))
     return (lambda: lmq(x, ring[nxt()], out), lambda: torch.mm(x, ring[nxt()], out=out))

@@ -2,29 +2,25 @@
  * row stride ldw), the layout lmq's CPU path keeps the model's Linear weights in (fused_decode._k_major).
  *
  * Why: at 1-16 rows a decode step's GEMMs stream every weight once and do little arithmetic per byte, so
- * they should cost what one row costs. BLAS small-M paths do not get there (MKL, SmolLM2-135M's 30 layers
- * on two AVX-512 cores: 20 ms at 1 row, 32 ms at 8). What costs the time is memory latency: each thread
- * reads a chunk of weight rows at a time in short segments (a thread's share of a row is 1-12 KB), too
- * short for the hardware prefetchers to run ahead. This kernel asks for the next chunk's rows explicitly
- * while it computes on the current one (~25 ms at 8 rows there: weights at ~17 GB/s).
+ * they should cost what one row costs. BLAS small-M paths do not get there (benchmarks/RESULTS.md). What
+ * costs the time is memory latency: each thread reads a chunk of weight rows at a time in short segments (a
+ * thread's share of a row is a few KB), too short for the hardware prefetchers to run ahead. This kernel
+ * asks for the next chunk's rows explicitly while it computes on the current one.
  *
  * Shape per instruction set (simd.h's vf: the target's own vector of LMQ_VL lanes): a register block
  * is MR rows x NV vectors of accumulators, plus NV weight vectors and a broadcast, within the target's
  * registers: AVX-512 (32 x 16 lanes) 6 x 4 (24 accumulators: a block is a whole 64-column panel row, one
- * contiguous stream; at 1-512 rows 3-16% faster than the 8 x 2 it replaced, e.g. 576x3072 at 8 rows 140 ->
- * 163 GFLOP/s, at 208 rows 197 -> 204, two Zen 4 cores: benchmarks/RESULTS.md, twenty-first session),
- * AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
+ * contiguous stream), AVX2/AVX (16 x 8 lanes) and SSE/generic (16 x 4) 4 x 3 (12), NEON (32 x 4) 6 x 4. More rows than MR are
  * further passes over the same chunk's weights (from L1). On AVX2, over panel-major weights, one row takes a
  * whole 64-column panel as its block (panel_one_row) and more than 4 rows a 6 x 2 block (MR2 x NV2). (One
- * 16-lane shape for all spilled on AVX2: 32 accumulators in 16 registers, up to 15x slower than torch.mm.)
+ * 16-lane shape for all would spill on AVX2: 32 accumulators in 16 registers.)
  * LMQ_GEMM_MR / LMQ_GEMM_NV (and LMQ_GEMM_MR2 / LMQ_GEMM_NV2) override them at build time (for measurements).
  *
  * Chunks and panels: a chunk of K-major weights is 4 weight rows at 1-2 rows of x, 8 at 3-4, 16 above (the
  * accumulators go back to y between chunks: more rows of x amortise that over longer chunks); a panel of a
  * panel-major copy, one stream, takes 64 at every row count (see `columns`); K-major chunks are 4 and 8 when
  * the weight's row stride is a multiple of 4 KB (the lm_head of a 49152 vocabulary, a 3072-wide gate_up):
- * such rows share their cache sets, and a long chunk is evicted before it is used (measured on Zen 3, 1
- * thread). A thread walks its columns in panels of LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in
+ * such rows share their cache sets, and a long chunk is evicted before it is used. A thread walks its columns in panels of LMQ_GEMM_PANEL_KB of chunk (the prefetched rows stay in
  * L2 until used).
  * Weights under 64K elements run on one thread (a second one costs more than it saves).
  *
@@ -41,11 +37,9 @@
 #include "simd.h"
 
 /* A second block for panel-major weights times more than FEW_ROWS rows: on AVX2 6 x 2 (12 accumulators, two
- * weight vectors, a broadcast: 15 registers), which beats 4 x 3 from 5 rows on (the 16 columns a 64-column
- * panel leaves after two 24-column blocks ran as 1-vector passes; 6 x 2 divides the panel): the 120 layer
- * GEMMs over cold panels at 16 rows 20.8 -> 19.1 ms, at 64 67.2 -> 58.1, at 200 197 -> 169, while at 2-4
- * rows 4 x 3 stays ahead by 9-17% (two Zen 5 cores, x86-64-v3 build; benchmarks/RESULTS.md, twenty-third
- * session). Elsewhere the same block as FEW_ROWS and below. */
+ * weight vectors, a broadcast: 15 registers), which is faster than 4 x 3 from 5 rows on (4 x 3 leaves the
+ * last 16 columns of a 64-column panel to 1-vector passes; 6 x 2 divides the panel), while at 2-4 rows 4 x 3
+ * is the faster. Elsewhere the same block as FEW_ROWS and below. */
 #ifndef LMQ_GEMM_MR2
 #if LMQ_VL == 8 && !defined(LMQ_GEMM_MR) && !defined(LMQ_GEMM_NV)
 #define LMQ_GEMM_MR2 6
@@ -169,11 +163,8 @@ static inline __attribute__((always_inline)) void columns_of(
         long n0, long n1, long n2, int contiguous, const int mr, const int nv) {
     /* weight rows whose stride is a multiple of 4 KB share their L1 sets (and of 64 KB their L2 sets): a
      * long chunk of such rows does not stay in cache between its prefetch and its use, nor between passes.
-     * A panel's chunk of 64 rows is 16 KB of one stream: over 5+ rows it beats 16 (the accumulators go back
-     * to y 4x less often, the prefetch runs 4x further ahead): 576x3072 at 8 rows 0.33 -> 0.26 ms, at 16
-     * 0.52 -> 0.39 (2 threads, Zen 4; benchmarks/RESULTS.md, twentieth session), and at 1-4 rows it beats 4
-     * and 8: a decode step's 120 layer GEMMs over cold panels at one row 10.4 -> 7.5 ms, at 3-4 rows 8.4-8.6
-     * -> 7.4-7.6 (2 threads, Zen 5; twenty-second session) */
+     * A panel's chunk of 64 rows is 16 KB of one stream, the faster at every row count: the accumulators go
+     * back to y less often and the prefetch runs further ahead than with chunks of 4-16 rows. */
     const int aliased = (ldw * (long)sizeof(float)) % 4096 == 0;
     const long kc_rows = contiguous ? 64 : M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
     const long nb = nv * LMQ_VL, cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / nb * nb;
@@ -226,9 +217,8 @@ void lmq_gemm_share(const float *x, long ldx, const float *w, long ldw, float *y
  * block is narrower than a panel (AVX2's 4 x 3: 24 columns), one row's few independent FMA chains wait on the
  * FMA's latency, and a panel row is read in three passes (24 + 8 + 8 columns). The weights stream through
  * in one pass, prefetched 64 rows ahead (the same distance as a chunk). Each output is the same FMA chain.
- * AVX2 only (8 accumulators and the broadcast in 16 registers, the weights FMA operands from memory): the
- * decode step's 120 layer GEMMs at one row over cold panels 9.1 -> 6.5 ms on the x86-64-v3 build (two Zen 5
- * cores; benchmarks/RESULTS.md, twenty-third session). AVX-512's block is a panel's width already. */
+ * AVX2 only (8 accumulators and the broadcast in 16 registers, the weights FMA operands from memory).
+ * AVX-512's block is a panel's width already. */
 #define WIDE (64 / LMQ_VL)
 #if LMQ_VL == 8 && defined(__FMA__) && WIDE > NV
 #define ONE_ROW_WIDE 1
@@ -258,8 +248,8 @@ static void panel_one_row(const float *x, const float *w, float *y, long K, int 
 /* Thread t of nt's share of y (+)= x @ w over panel-major weights: w holds N / P panels of P columns (a
  * multiple of NB), each [K, P] contiguous ([N / P][K][P]); a thread takes a contiguous range of panels, so
  * that it streams one contiguous region of memory. (Two threads that each read their half of every row of
- * K-major weights stream at 12.5-21 GB/s on a 2-core Zen 4, varying by run; panels at 44 GB/s in every
- * run: benchmarks/RESULTS.md, seventeenth session.) Each output is the same FMA chain over k as with K-major
+ * K-major weights stream at a rate that varies from process to process; their own panels stream steadily
+ * near memory speed.) Each output is the same FMA chain over k as with K-major
  * weights: the same bits. */
 void lmq_gemm_panels_share(const float *x, long ldx, const float *w, long P, float *y, long ldy,
                            int M, long K, long N, int accumulate, int t, int nt) {

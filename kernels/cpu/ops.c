@@ -4,17 +4,17 @@
  *   lmq_silu_mul     out = silu(gate) * up, gu = [gate | up]                       rows of gu
  *   lmq_rope_append  q = rope(qnorm(q)); k = rope(knorm(k)) and v into the store  tokens of qkv
  *
- * Why: in torch each is 3-15 small ops of a few microseconds' dispatch each; a decode step of SmolLM2-135M
- * makes 121 of these calls (~3.8 ms of a ~31 ms step at one row); here each is one call of a microsecond or
- * two. Each row (token) is computed alone, in a fixed order: the same bits in any batch.
+ * Why: in torch each is several small ops that cost more in dispatch than in arithmetic, and a decode step
+ * makes several of them a layer; here each is one short call. Each row (token) is computed alone, in a fixed
+ * order: the same bits in any batch.
  *
- * rope_append follows the Triton kernel's contract (fused_decode._rope_append_kernel): token r of the
- * [N = rows x T, (Hq + 2 Hkv) D] projection is new token t = r % T of row b = r // T; its K/V go to the store
+ * rope_append follows the Triton kernel's contract (lmq_kernels.triton.ops._rope_append_kernel): token r of
+ * the [N = rows x T, (Hq + 2 Hkv) D] projection is new token t = r % T of row b = r // T; its K/V go to the store
  * slot of column end - (T - 1) + t of row b's page table (table[b * stb + col]; the store's K and V are
  * [slots, Hkv, D] a layer), unless its position is negative (a prefill's left padding) or b >= nrows.
  * RoPE's cos/sin come in per token ([N, D/2], rotate-half convention).
  *
- * Built with gemm.c and attention.c into one library (see cpu.py).
+ * Built with gemm.c and attention.c into one library (see __init__.py).
  */
 #include <math.h>
 #include <string.h>

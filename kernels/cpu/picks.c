@@ -4,8 +4,7 @@
  *                       every v); 0 where the mask allows nothing
  *
  * torch's form, `torch.where(mask, logits, -inf).argmax(-1)` (lmq_backend/engine/picks.py), writes a [rows, V]
- * copy and reads it again; on two Zen 5 cores its where alone took ~90 us a row of 49,152 tokens, the argmax
- * ~14. Here a row is one pass over its logits and mask bytes. The pick is exact and the same as torch's: per
+ * copy and reads it again, the where costing more than the argmax. Here a row is one pass over its logits and mask bytes. The pick is exact and the same as torch's: per
  * lane the first strictly larger value, then of the lanes holding the largest value the smallest index (the
  * first maximal logit overall); logits hold no NaN. A row's pick depends on that row alone.
  */

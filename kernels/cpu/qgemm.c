@@ -6,14 +6,13 @@
  *          element j >= 16 in the high nibble of byte j - 16
  *
  * Why: torch's weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have no AVX2 path
- * worth the name: on Zen 3 (AVX2, 1 thread), 576x576 at 1 row, 1.4 and 2.4 ms against 0.06 ms for float32
- * torch.mm (benchmarks/bench_quantized.py). Here each output is a dot product over K of x's row and the
+ * worth the name: they are many times slower than float32 torch.mm at a few rows
+ * (benchmarks/bench_quantized.py). Here each output is a dot product over K of x's row and the
  * weight row, de-quantized in registers into the target's float vectors (simd.h's vf), MR rows x NB
  * outputs a register block; larger M makes more passes over the same weight rows (from L1).
  *
  * Exactness: each output is one chain of vector FMAs over k in order, its lanes summed in a fixed order
- * (simd.h's lanes_total: a shuffle tree; the sequential sum of the lanes it replaced took ~10% of an
- * 8-row step's quantized GEMMs), whatever M, the thread count or the block it falls in: a row's result does
+ * (simd.h's lanes_total: a shuffle tree, cheaper than a sequential sum of the lanes), whatever M, the thread count or the block it falls in: a row's result does
  * not depend on the batch.
  */
 #include <omp.h>
@@ -32,7 +31,7 @@
 #define MR LMQ_QGEMM_MR   /* rows per pass below 8 rows (up to 4) */
 #define NB LMQ_QGEMM_NB   /* outputs per register block (up to 4) */
 /* outputs per register block at 8 rows (1 or 2): 2 where 32 vector registers hold the 8 x 2 accumulators
- * (AVX-512: a step's GEMMs at 8 rows 8% faster, Zen 4), 1 with AVX2's 16 (2 would spill: 15% slower) */
+ * (AVX-512: the faster), 1 with AVX2's 16 (2 would spill) */
 #ifndef LMQ_QGEMM_NB8
 #if LMQ_VREGS >= 32
 #define LMQ_QGEMM_NB8 2
@@ -42,9 +41,8 @@
 #endif
 #define NB8 LMQ_QGEMM_NB8
 /* outputs per register block below 8 rows, within a block of NB (1 or NB): one output at a time streams the
- * weight rows one after another, faster where the weight comes from memory, as in a decode step (Zen 4: a
- * one-row int8 step of the default model 11.3-11.8 -> 7.2-7.4 ms; the 576x49152 LM head 4.3 -> 2.5 ms, AVX2
- * build 5.1 -> 3.3), slower where it is hot in cache (int4: no gain measured); the same sums either way */
+ * weight rows one after another, faster where the weight comes from memory, as in a decode step (int8),
+ * slower where it is hot in cache (int4: no gain); the same sums either way */
 #ifndef LMQ_QGEMM_NB1_I8
 #define LMQ_QGEMM_NB1_I8 1
 #endif

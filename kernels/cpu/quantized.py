@@ -7,8 +7,8 @@ them from there), on the layouts of qgemm.c:
 
 int8: q int8 [N, K] with scale [N, K/32] (zero None); int4: q uint8 [N, K/2] with scale (d) and zero (m)
 [N, K/32] (GGUF's Q4_1 order). They return False (nothing computed) where they cannot run the operands or, for
-`quantized_mm`, where calibration chose what runs otherwise (the weight de-quantized, then torch's GEMM): see
-cpu.py.
+`quantized_mm`, where calibration chose what runs otherwise (the weight de-quantized, then torch's GEMM;
+`choose_quantized`: its class).
 """
 from __future__ import annotations
 
@@ -16,21 +16,30 @@ import weakref
 
 import torch
 
-from . import benches as _benches
+from . import benches
+from .library import choose, forced, load, size_class
+
+__all__ = ["quantized_mm", "dequantize", "layout_ok", "choose_quantized", "MIN_ROWS", "MAX_ROWS"]
 
 MIN_ROWS, MAX_ROWS = 1, 16   # the rows `quantized_mm` takes (a decode step's; calibration decides per bucket)
+
+
+def choose_quantized(m: int, k: int, n: int, int4: bool) -> bool:
+    """Whether lmq's quantized GEMM runs m rows of an int4 (else int8) weight [n, k] here."""
+    up = size_class
+    return choose("qgemm_i4" if int4 else "qgemm_i8", (torch.get_num_threads(), up(m), up(k), up(n)),
+                  lambda: benches.qgemm(forced(quantized_mm), dequantize, up(m), k, n, int4))
 
 
 def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  out: torch.Tensor, accumulate: bool = False) -> bool:
     """out (+)= x @ W^T for a weight-only quantized W [N, K]; x [M, K] and out [M, N] float32 with contiguous
     rows, M <= MAX_ROWS. Calibrated against what runs otherwise: the weight de-quantized (`dequantize`) and
-    torch's GEMM (torch's own weight-only kernels measured 20-40x slower than that on AVX2:
-    benchmarks/bench_quantized.py)."""
+    torch's GEMM (torch's own weight-only kernels are far slower than that: benchmarks/bench_quantized.py)."""
     m, k = x.shape
     if not MIN_ROWS <= m <= MAX_ROWS:
         return False
-    lib = cpu._load()
+    lib = load()
     if lib is None:
         return False
     n = q.shape[0]
@@ -38,10 +47,9 @@ def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
     if (x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(1) != 1 or out.stride(1) != 1
             or out.shape != (m, n) or not _weight_ok(q, scale, zero, k)):
         return False
-    threads, up = torch.get_num_threads(), cpu._up
-    if not cpu.choose("qgemm_i4" if int4 else "qgemm_i8", (threads, up(m), up(k), up(n)),
-                      lambda: _benches.qgemm(cpu._forced(quantized_mm), dequantize, up(m), k, n, int4)):
+    if not choose_quantized(m, k, n, int4):
         return False
+    threads = torch.get_num_threads()
     if int4:
         lib.lmq_qgemm_i4(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
                          out.data_ptr(), out.stride(0), m, k, n, int(accumulate), threads)
@@ -55,8 +63,8 @@ _checked: dict[int, tuple] = {}   # id(q) -> (weakref to q, scale, zero, k, ok);
 
 
 def _weight_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int) -> bool:
-    """`layout_ok`, remembered per weight tensor (a decode step multiplies ~120 fixed weights: their checks
-    took ~5 of the ~20 us of Python a call)."""
+    """`layout_ok`, remembered per weight tensor (a decode step multiplies the same ~120 weights every step:
+    their checks were a quarter of a call's Python)."""
     seen = _checked.get(id(q))
     if seen is not None and seen[0]() is q and seen[1] is scale and seen[2] is zero and seen[3] == k:
         return seen[4]
@@ -81,9 +89,9 @@ def layout_ok(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, out: torch.Tensor) -> bool:
     """out = W as float32, with the same bits as torch's q * scale and d * q + m (no fused multiply-add): out
     [N, K] contiguous, or W's panels [N / P, K, P] (P <= 64: the small-M GEMM's panel-major operand,
-    `cpu.small_m_mm(panels=)`). Not calibrated: a copy at memory speed that torch's several passes (unpack,
+    `small_m_mm(panels=)`). Not calibrated: a copy at memory speed that torch's several passes (unpack,
     convert, multiply, add) cannot beat."""
-    lib = cpu._load()
+    lib = load()
     if lib is None or out.dim() not in (2, 3) or not out.is_contiguous() or out.dtype != torch.float32:
         return False
     if out.dim() == 2:
@@ -100,7 +108,3 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
         lib.lmq_dequant_i4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n, k, p,
                            torch.get_num_threads())
     return True
-
-
-# last: cpu.py imports this module at its end (either may be imported first)
-from lmq_kernels import cpu  # noqa: E402

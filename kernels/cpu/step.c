@@ -9,10 +9,9 @@
  *               act = silu(gate) * up (columns)                                               | barrier
  *               x += act @ Wdown                                                              | barrier
  *
- * Why: the same step as ~9 calls a layer from Python (fused/decoder.py's loop: ~270 calls a step) cost
- * ~10-30 us of Python, ctypes and an OpenMP fork/join each, more once the GEMMs' weights have pushed the
- * interpreter out of the caches: ~8 ms of a ~40 ms float32 step of SmolLM2-135M at one row, measured on
- * Zen 3 (benchmarks/RESULTS.md, tenth session). Here a phase ends in a barrier (~1 us) instead.
+ * Why: the same step as ~9 calls a layer from Python (fused/decoder.py's loop) costs Python, ctypes and an
+ * OpenMP fork/join a call, more once the GEMMs' weights have pushed the interpreter out of the caches: a
+ * noticeable share of a one-row step. Here a phase ends in a barrier instead.
  *
  * Every op is the per-op kernel's own code (lmq_gemm_share, lmq_qgemm_*_share, lmq_rope_append_rows,
  * lmq_attention_body, lmq_rmsnorm, lmq_silu_mul_share): each output is the same arithmetic in the same order

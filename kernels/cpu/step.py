@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lmq_kernels import cpu
+from .attention import HEAD_DIMS
+from .gemm import GEMM_MAX_ROWS
+from .library import load, rows_ok
+from .quantized import layout_ok
 
 __all__ = ["Weight", "Layer", "LayerPlan", "decode_layers", "panel_major", "MAX_ROWS", "PANEL"]
 
-# the rows a step takes: the small-M GEMM's range (cpu.GEMM_MAX_ROWS); the engine's calibration chooses between
-# this call and the per-op loop per row bucket. (It was 16: steps of 17-256 rows, concurrent calls, ran ~9
-# calls from Python a layer; in C 32 rows 47.5 -> 39.3 ms a step, 64 rows 81 -> 75, 200 rows 214 -> 196, Zen 5,
-# benchmarks/RESULTS.md, twenty-second session.)
-MAX_ROWS = cpu.GEMM_MAX_ROWS
+# the rows a step takes: the small-M GEMM's range; the engine's calibration chooses between this call and the
+# per-op loop per row bucket
+MAX_ROWS = GEMM_MAX_ROWS
 W_F32, W_I8, W_I4, W_F32_PANELS = 0, 1, 2, 3
 PANEL = 64      # columns of a panel of float32 weights (a multiple of every target's vector; gemm.c)
 _p, _l, _f, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -73,7 +74,7 @@ class Weight:
             w = self.w_t
             return (w.dtype == torch.float32 and w.device.type == "cpu" and w.shape == (self.k, self.n)
                     and w.stride(1) == 1)
-        return self.q is not None and cpu.quantized_layout_ok(self.q, self.scale, self.zero, self.k) \
+        return self.q is not None and layout_ok(self.q, self.scale, self.zero, self.k) \
             and self.q.shape[0] == self.n
 
     def c(self) -> _CWeight:
@@ -121,7 +122,7 @@ class LayerPlan:
         self.inter = first.down.k
         slots, self.Hkv, self.D = first.k_cache.shape
         self.ok = all(self._layer_ok(ly) for ly in layers) and self.D % 2 == 0 \
-            and self.D in cpu.ATTENTION_HEAD_DIMS
+            and self.D in HEAD_DIMS
         self.array = (_CLayer * len(layers))()
         if self.ok:
             for i, ly in enumerate(layers):
@@ -163,13 +164,13 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, hq: int, cos: torch.Tensor, 
     qkv, q, attn, act: contiguous float32 scratch of the step's shapes, gu too but for its row stride (>= its
     width). Not calibrated (the caller chooses). False (nothing computed) if the library or the operands do not
     allow it."""
-    lib = cpu._load()
+    lib = load()
     if lib is None or not plan.ok:
         return False
     b, hidden = x.shape
     d = plan.D
     if (not 1 <= b <= MAX_ROWS or hidden != plan.hidden or hq % plan.Hkv or x.stride(1) != 1
-            or not _f32(cos, sin, qkv, q, attn, act) or not cpu._rows_ok(gu) or x.dtype != torch.float32
+            or not _f32(cos, sin, qkv, q, attn, act) or not rows_ok(gu) or x.dtype != torch.float32
             or cos.shape != (b, d // 2) or sin.shape != cos.shape
             or qkv.shape != (b, (hq + 2 * plan.Hkv) * d) or q.shape != (b, hq, d) or attn.shape != q.shape
             or gu.shape != (b, 2 * plan.inter) or gu.stride(0) < gu.shape[1] or act.shape != (b, plan.inter)

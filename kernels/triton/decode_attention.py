@@ -1,10 +1,9 @@
 """Flash-decoding attention for one new token per row over a left-padded KV cache.
 
-Cache layout (agreed with the prefix trie and the batch cache)
---------------------------------------------------------------
-* Trie nodes store K/V as ``[L, 2, H_kv, T, D]`` (layer, k/v, kv head, token, dim).
-* The batch cache, per layer, is ``k_cache, v_cache: [B, H_kv, S, D]`` with
-  ``S`` the capacity.  Rows are LEFT-padded: row ``b``'s valid tokens occupy
+Cache layout
+------------
+* Dense K/V (``table`` not given), per layer: ``k_cache, v_cache: [B, H_kv, S, D]``
+  with ``S`` the capacity.  Rows are LEFT-padded: row ``b``'s valid tokens occupy
   columns ``[start[b], end)``; ``end`` is common to all rows (after each step
   every row's valid tokens end at the same column).
 * K is stored after RoPE.
@@ -45,7 +44,7 @@ ticket with an ``acq_rel`` atomic add on a per-(block, kv head) counter; the
 program that draws the last ticket merges each row's chunks (log-sum-exp
 weighting, 8 chunks per step), writes the output in ``q``'s dtype and resets
 the counter to 0 for the next launch. One launch per layer instead of two
-(measured on an H200 at batch 1, where launch latency dominates).
+(at batch 1 launch latency dominates).
 ``fused_reduce=False`` uses a separate kernel (``_decode_stage2``, grid
 ``(B * Hq,)``) instead.  When ``num_splits == 1`` stage 1 writes the final
 output directly.  The counters are a persistent per-device buffer, so
@@ -128,18 +127,17 @@ def sm_count(device: torch.device) -> int:
     """The device's multiprocessors (the kernels size their grids by it)."""
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 132  # H200 default, keeps CPU tests on the same split schedule
+    return 132  # a large GPU's count, so that CPU tests run the split schedule a GPU would
 
 
 def _pick_config(G: int, block_d: int, dtype: torch.dtype) -> Tuple[bool, int, int]:
     """(use_dot, BLOCK_N, num_warps) for the stage-1 kernel.
 
-    Measured on an H200 (bf16, D=64, ctx 2048, Hq/H_kv = 32/8 and 9/3): tl.dot with
-    the query heads padded to 16 rows beat the broadcast multiply-reduce by 2x
-    (batch 1) to 8x (batch 16) for every G tried, so tl.dot is the default.
-    BLOCK_N / 4 warps: for D=64 the sweep timed BLOCK_N=128 at 6.3 vs 7.2 us per
-    layer (BLOCK_N=64) at batch 1, 16.1 vs 17.2 at batch 16 with ragged rows and
-    equal with full rows; wider heads keep 64 (D=128) or 32 so the K/V tiles fit.
+    tl.dot with the query heads padded to 16 rows is faster than the broadcast
+    multiply-reduce for every group size measured (bf16, D=64), at batch 1 and
+    more so at batch 16, so tl.dot is the default. BLOCK_N / 4 warps: for D=64,
+    BLOCK_N=128 is faster than 64 with ragged rows and level with full rows;
+    wider heads keep 64 (D=128) or 32 so the K/V tiles fit.
     """
     return True, (128 if block_d <= 64 else 64 if block_d <= 128 else 32), 4
 

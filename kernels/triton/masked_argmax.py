@@ -3,11 +3,11 @@
 ``masked_argmax_k(logits [B, V], masks bool [K, V]) -> int64 [K, B]``: entry ``[k, b]`` is the index of the
 largest ``logits[b, v]`` with ``masks[k, v]``, the first such index on ties, 0 where the mask allows nothing:
 ``torch.where(masks[:, None], logits[None], -inf).argmax(-1)`` (``lmq_backend/engine/picks.py``), without
-materialising the ``[K, B, V]`` copy. The fused GPU step picks this way under its greedy masks (an H200,
-256 rows x 128,256 tokens, two masks: the torch form wrote and re-read 130 MB a step, ~265 us).
+materialising the ``[K, B, V]`` copy. The fused GPU step picks this way under its greedy masks (at a few
+hundred rows of a 128k vocabulary the torch form writes and re-reads over a hundred MB a step).
 
 Kernel: a program per row and split of V (as many splits as keep ~2 programs per SM busy: one program
-walking a 128,256-token row alone took ~150 us on an H200, 13% of a one-row Llama-3.2-1B step) walks its
+walking a 128k-token row alone would take a sizeable share of a one-row decode step) walks its
 columns in tiles of ``BLOCK`` with every mask at once (``K_PAD`` rows of a tile), keeping per mask the best
 value and its index; a tile's maximum replaces the running one only when strictly greater, so the first
 index wins ties, as ``torch.argmax``. A second kernel takes per row the first split with the largest value.
@@ -122,8 +122,8 @@ def masked_argmax_k(logits: torch.Tensor, masks: torch.Tensor, out: torch.Tensor
 class MaskedPicks:
     """`masked_argmax_k` under a fixed set of masks [K, V], where a mask that allows few tokens (at most
     1/SPARSE_SHARE of V: a UTF-8 character's continuations, ~70 of 49,152 tokens) is picked by gathering
-    those tokens' logits instead of one more row of every tile (an H100, 256 rows x 128,256 tokens: five
-    masks 282 us, two 105 us). Same picks: a mask's tokens are kept in increasing order, so the first of
+    those tokens' logits instead of one more row of every tile (each mask row read with every tile costs
+    about as much as the logits' own pass). Same picks: a mask's tokens are kept in increasing order, so the first of
     tied maxima wins; padding is -inf. CUDA-graph friendly once built (no host reads)."""
 
     def __init__(self, masks: torch.Tensor):

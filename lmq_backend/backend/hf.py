@@ -6,7 +6,9 @@ work: every prefill looks up the longest cached prefix of the sequence's token i
 only the rest and stores what it computed. A sequence's `handle` is its `Pin` on the cached prefix it holds
 until it is released. `cache_budget` bounds what the cache keeps (0 turns it off: every prefill computes the
 whole prompt, the exact reference behaviour); `kv_budget` bounds the whole K/V store (default: sized from free
-memory).
+memory). Under the prefix cache, the cache tiers (`cache/tiers.py`): `host_cache` bounds host memory that evicted
+prefixes move to, `disk_cache` names the folder that long prefixes are written to for later processes
+(`disk_budget` bounds it).
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..cache.disk_tier import resolve_folder
+from ..cache.fingerprint import folder_fingerprint, state_fingerprint
 from ..cache.prefix_cache import Pin
 from ..cache.stats import CacheStats, TemplateStats
+from ..cache.tiers import TierOptions
 from ..engine.compat import PRETRAINED
 from ..engine.engine import Engine
 from ..engine.picks import Choices, Sampler
@@ -65,16 +70,30 @@ def _freeze_once() -> None:
         atexit.register(gc.unfreeze)
 
 
+def _tier_options(host_cache, disk_cache, disk_budget, fingerprint, name: str,
+                  weights_dtype: str | None = None) -> TierOptions:
+    """The cache tiers a backend's settings ask for (`HFBackend`'s docstring): `fingerprint()` names the
+    weights, `weights_dtype` a quantized dtype (else the store's)."""
+    return TierOptions(host_bytes=None if host_cache == "auto" else parse_bytes(host_cache, "host_cache"),
+                       folder=resolve_folder(disk_cache), disk_bytes=parse_bytes(disk_budget, "disk_budget"),
+                       fingerprint=fingerprint, weights_dtype=weights_dtype, name=name)
+
+
 class HFBackend(Backend):
     """A local Hugging Face causal LM: `HFBackend("path/or/dir", device=, dtype=, cache_budget=)`.
 
     `path` may be "default" for the embedded SmolLM2-135M-Instruct. `dtype` "int8" or "int4": weight-only
     quantized on the CPU (`engine/quantize.py`; the default model's "int4" is its shipped Q4_1 file). Use
-    `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not)."""
+    `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not).
+
+    Cache tiers: `host_cache` ("auto": 4GB on a GPU, none on the CPU, whose K/V store is host memory already;
+    or bytes, 0 for none); `disk_cache` ("default": `lmq cache ls` shows the folder, $LMQ_DISK_CACHE=off turns it
+    off; a folder; None for none) within `disk_budget`, shared by every process of the same model."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,
                  cache_budget: int | str = "2GB", name: str | None = None, max_batch: int = 256,
-                 kv_budget: int | str | None = None):
+                 kv_budget: int | str | None = None, host_cache: int | str = "auto",
+                 disk_cache: str | Path | bool | None = "default", disk_budget: int | str = "10GB"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf_file = None
@@ -94,23 +113,32 @@ class HFBackend(Backend):
             from .gguf_weights import quantize_weights
 
             quantize_weights(model, str(dtype), gguf_file)
-        self._setup(model.to(device).eval(), tokenizer, cache_budget, name or str(path), max_batch, kv_budget,
-                    weights_folder=Path(path))
+        name = name or str(path)
+        folder = Path(path)
+        tiers = _tier_options(host_cache, disk_cache, disk_budget, lambda: folder_fingerprint(folder), name,
+                              str(dtype) if str(dtype) in QUANTIZED_DTYPES else None)
+        self._setup(model.to(device).eval(), tokenizer, cache_budget, name, max_batch, kv_budget,
+                    weights_folder=folder, tiers=tiers)
 
     @classmethod
     def from_model(cls, model, tokenizer, cache_budget: int | str = "2GB", name: str = "model",
-                   max_batch: int = 256, kv_budget: int | str | None = None) -> "HFBackend":
+                   max_batch: int = 256, kv_budget: int | str | None = None, host_cache: int | str = "auto",
+                   disk_cache: str | Path | bool | None = None, disk_budget: int | str = "10GB") -> "HFBackend":
+        """A backend over a model object. Its disk tier is off unless `disk_cache` is given: weights in memory
+        may change in place, which the fingerprint (a sample of them) cannot always see."""
         backend = cls.__new__(cls)
-        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget)
+        tiers = _tier_options(host_cache, disk_cache, disk_budget, lambda: state_fingerprint(model), name)
+        backend._setup(model.eval(), tokenizer, cache_budget, name, max_batch, kv_budget, tiers=tiers)
         return backend
 
     def _setup(self, model, tokenizer, cache_budget, name: str, max_batch: int = 256, kv_budget=None,
-               weights_folder: Path | None = None) -> None:
+               weights_folder: Path | None = None, tiers: TierOptions | None = None) -> None:
         self.name = name
         self.model, self.tokenizer = model, tokenizer
         self.engine = Engine(model, max_batch=max_batch,
                              kv_budget=None if kv_budget is None else parse_bytes(kv_budget, "kv_budget"),
-                             cache_budget=parse_bytes(cache_budget, "cache_budget"), weights_folder=weights_folder)
+                             cache_budget=parse_bytes(cache_budget, "cache_budget"), weights_folder=weights_folder,
+                             tiers=tiers)
         runner = self.engine.runner
         self._vocab = vocab_index(tokenizer, runner.vocab_size)  # (from disk after the first load)
         self.masks = PickMasks(self._vocab, len(tokenizer), runner.device)
@@ -126,6 +154,7 @@ class HFBackend(Backend):
     runner = property(lambda self: self.engine.runner)
     store = property(lambda self: self.engine.store)
     trie = property(lambda self: self.engine.cache.trie)
+    tiers = property(lambda self: self.engine.cache.tiers)
     scheduler = property(lambda self: self.engine.scheduler)
 
     # ----- protocol --------------------------------------------------------------------------------
@@ -170,6 +199,7 @@ class HFBackend(Backend):
         return value
 
     async def score_tokens(self, seq: Sequence, continuations: list[list[int]]) -> list[list[float]]:
+        self.check_length(seq, len(seq.ids) + max(map(len, continuations), default=0))  # (an option is prompt)
         logits, row = await self._prefill(seq, seq.ids, len(seq.ids))
         try:
             return self.engine.score(row, len(seq.ids), logits, continuations)
@@ -210,6 +240,18 @@ class HFBackend(Backend):
         if isinstance(seq.handle, Pin):
             self.engine.cache.release(seq.handle)
 
+    def chat_template(self):
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        return self._render_chat
+
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """`apply_chat_template` as text, less the start tokens' text the template writes itself (a
+        `{{ bos_token }}`): a sequence holds them already."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        start = self.tokenizer.decode(self._start_ids) if self._start_ids else ""
+        return text[len(start):] if start and text.startswith(start) else text
+
     def on_step(self, callback) -> None:
         self.engine.scheduler.on_step = callback
 
@@ -235,6 +277,7 @@ class HFBackend(Backend):
         self._totals = TemplateStats()
         self._templates: dict[str, TemplateStats] = {}
         self._evictions_at_reset = self.engine.cache.evictions
+        self._tiers_at_reset = self.engine.cache.tier_counts()
 
     def record_call(self, template: str, seconds: float) -> None:
         t = self._template(template)
@@ -249,6 +292,7 @@ class HFBackend(Backend):
             tokens_reused=t.tokens_reused, tokens_prefilled=t.tokens_prefilled,
             tokens_decoded=t.tokens_decoded, evictions=cache.evictions - self._evictions_at_reset,
             bytes_in_use=cache.bytes_in_use, nodes=len(cache), pinned_nodes=cache.pinned_nodes(),
+            **cache.tier_counts(since=self._tiers_at_reset),
             per_template={k: TemplateStats(**{f: getattr(v, f) for f in TemplateStats.__slots__})
                           for k, v in self._templates.items()},
         )
@@ -283,7 +327,11 @@ class HFBackend(Backend):
     # ----- lengths ----------------------------------------------------------------------------------
 
     def check_length(self, seq: Sequence, n: int) -> None:
-        """Raises the length error where a prompt of `n` tokens passes the sequence's max_len."""
+        """Raises the length error where a prompt of `n` tokens passes the sequence's max_len (or the model's
+        context window, where that binds)."""
+        if n > seq.max_len >= self.max_positions:  # the model's window binds (`sequence` caps max_len by it)
+            raise LMQLengthError(f"the prompt needs {n} tokens, more than the model's context window of "
+                                 f"{self.max_positions} positions (max_position_embeddings)")
         if n > seq.max_len:
             raise LMQLengthError(
                 f"the prompt needs {n} tokens, more than max_len={seq.max_len}; raise it with "

@@ -144,6 +144,8 @@ class HoleLoop:
         if self._checks:
             self._pending = int(self.backend.vocab.utf8_tables(self._pending)[1][token])
         self.stop = self.state.advance(token)
+        if self.seq.on_token is not None:
+            self.seq.on_token(token)
         if self.stop is not None or not self._plan():
             return None
         return token, self.ahead

@@ -52,13 +52,16 @@ class NextTokens:
 
 @dataclass(eq=False)
 class Sequence:
-    """A query's prompt as it is built: token ids, text, and the backend's handle on its cached prefix."""
+    """A query's prompt as it is built: token ids, text, and the backend's handle on its cached prefix.
+    `on_token`, if set, is called with each token `generate` appends to a hole's value, once the hole's
+    constraint has taken it (for streaming; it must return quickly and never raise)."""
 
     template: str
     ids: list[int] = field(default_factory=list)
     text: str = ""
     max_len: int = DEFAULT_MAX_LEN
     handle: Any = None  # owned by the backend (e.g. the pinned trie node)
+    on_token: Callable[[int], None] | None = None
 
 
 class Backend(abc.ABC):
@@ -115,6 +118,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """The query is done with `seq` (finished, failed or cancelled): drop its pins."""
+
+    def chat_template(self) -> Callable[[list[dict[str, str]], bool], str] | None:
+        """The model's chat template, for queries with role tags: `render(messages, add_generation_prompt)`
+        -> the text of the conversation (`messages`: {"role", "content"} dicts) as the model reads it after
+        the sequence's start tokens. None: the model has no chat template."""
+        return None
 
     def stats(self) -> "CacheStats":
         from ..cache.stats import CacheStats

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+LAYOUT_VERSION = 1  # of what a slot holds (above): K/V kept beyond a process (cache/disk_tier.py) is keyed by it
 FREE, ROW, TRIE, RESERVED = 0, 1, 2, 3
 ZERO_SLOT = 0
 

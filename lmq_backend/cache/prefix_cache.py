@@ -14,9 +14,16 @@ A request holds a `Pin`: the node covering the prefix it reads, locked while it 
     copy = cache.fork(pin)                          # a second pin on the same node (a beam's copy)
 
 `budget_bytes` bounds what the cache keeps (0: nothing is kept, every prefill computes the whole prompt).
+
+Under the trie, the cache tiers (`tiers.py`: host memory, a disk folder), if the cache has them: an evicted node
+moves down to them, a stored one is written through to disk, and a lookup goes on in them after the trie's match
+(loading what it finds into fresh slots, as trie nodes). A request's disk files are read before it is queued
+(`stage`, in a worker thread), and each prefill's speed tells the tiers when a load is worth it
+(`observe_prefill`). Without tiers these do nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -24,6 +31,8 @@ from typing import Sequence
 import numpy as np
 
 from .kv_store import KVStore
+from .segment import Segment
+from .tiers import CacheTiers, TierOptions, build_tiers
 from .trie import PrefixTrie, TrieNode
 
 
@@ -40,13 +49,19 @@ class Pin:
 
 
 class PrefixCache:
-    def __init__(self, store: KVStore, budget_bytes: int):
+    def __init__(self, store: KVStore, budget_bytes: int, tiers: TierOptions | None = None):
+        """`tiers`: the tiers under the trie (none where the trie is off: `budget_bytes` 0)."""
         self.trie = PrefixTrie(budget_bytes, store.bytes_per_token, store)
         # the store asks the trie for slots through a weak reference: no cycle keeps the store's memory alive
         # once the engine is dropped
         trie, per_token = weakref.proxy(self.trie), store.bytes_per_token
         store.reclaim = lambda n: trie.evict(n * per_token)
         store.evictable = lambda: trie.evictable_bytes() // per_token
+        self.tiers: CacheTiers | None = None
+        if tiers is not None and self.trie.enabled:
+            self.tiers = build_tiers(store, tiers)
+        if self.tiers is not None:  # cache tiers: an evicted leaf moves down
+            self.trie.on_evict = self.tiers.evicted
 
     # ----- the cache ------------------------------------------------------------------------------------
 
@@ -95,12 +110,34 @@ class PrefixCache:
         """Nodes with a pin on them or below them, the root included (0: no request holds a pin)."""
         return self.trie.pinned_nodes()
 
+    def tier_counts(self, since: dict[str, int] | None = None) -> dict[str, int]:
+        """The tiers' counters (`CacheTiers.counts`; {} without tiers)."""
+        return {} if self.tiers is None else self.tiers.counts(since)
+
+    def close(self) -> None:
+        """Finish the tiers' files being written and let the host tier's memory go."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     # ----- a request's lifecycle ------------------------------------------------------------------------
 
-    def lookup(self, pin: Pin, ids: Sequence[int], limit: int | None = None) -> tuple[np.ndarray, int]:
-        """Match ids[:limit] and move `pin` to the match: (the prefix's page table, int32 [n]; n, the tokens
-        cached)."""
+    async def stage(self, ids: list[int], limit: int) -> list[Segment]:
+        """The disk tier's segments that may continue the match of ids[:limit] (read in a worker thread, the
+        event loop free meanwhile), for `lookup` to load; [] without a disk tier or where no file is worth it."""
+        tiers = self.tiers
+        at = None if tiers is None else tiers.stage_from(self.trie, ids, limit)
+        if at is None:
+            return []
+        return await asyncio.to_thread(tiers.stage, ids, at, limit)
+
+    def lookup(self, pin: Pin, ids: Sequence[int], limit: int | None = None,
+               staged: Sequence[Segment] = ()) -> tuple[np.ndarray, int]:
+        """Match ids[:limit] (in the trie, then in the tiers and the `staged` segments) and move `pin` to the
+        match: (the prefix's page table, int32 [n]; n, the tokens cached)."""
         node, cached = self.trie.match(ids, limit)
+        if self.tiers is not None:  # cache tiers: the match goes on in host memory and the staged files
+            node, cached = self.tiers.load(self.trie, node, ids, cached, len(ids) if limit is None else limit,
+                                           list(staged))
         self.move(pin, node)
         return self.trie.path_slots(node), cached
 
@@ -113,7 +150,15 @@ class PrefixCache:
         if node is None:
             return False
         self.move(pin, node)
+        if self.tiers is not None:  # cache tiers: a long new node is written to disk
+            self.tiers.inserted(self.trie, node)
         return True
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill computed `tokens` new tokens in `seconds`, from its lookup to its logits (the tiers' cost
+        model: `CacheTiers.worth`)."""
+        if self.tiers is not None:
+            self.tiers.observe_prefill(tokens, seconds)
 
     def release(self, pin: Pin) -> bool:
         """Drop the pin's lock; True if it held one."""

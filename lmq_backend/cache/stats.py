@@ -21,6 +21,16 @@ A lookup that reuses at least one token is a *hit*.
 - ``evictions``: trie nodes dropped to stay within the cache budget since the last ``reset_stats()``.
 - ``bytes_in_use``, ``nodes``, ``pinned_nodes``: the trie now (gauges, not reset by ``reset_stats()``).
 
+The cache tiers under the trie (``cache/tiers.py``; all 0 without them). Tokens loaded back from a tier count
+as reused, like the trie's own:
+
+- ``host_hits``, ``disk_hits``: prefill lookups that loaded tokens from host memory, from disk files.
+- ``tokens_from_host``, ``tokens_from_disk``: the tokens they loaded (part of ``tokens_reused``).
+- ``bytes_to_host``, ``bytes_from_host``: K/V copied down to host memory (evictions), and loaded back up.
+- ``bytes_to_disk``, ``bytes_from_disk``: K/V files written, and read (whole files, checks included).
+- ``disk_rejected``: files ignored (torn, truncated, corrupted, or of another model, dtype or layout).
+- ``host_bytes_in_use``: the host tier now (a gauge).
+
 Counters are kept in total and per query template (``per_template``, keyed by ``Query.name``: the
 function name for ``@lmq.query``, else the ``name=`` given, else the first line of the source; ``lmq
 run``/``lmq profile`` name a file's query by its path). Each template also records the wall time of each
@@ -32,6 +42,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 _COUNTERS = ("calls", "lookups", "hits", "tokens_requested", "tokens_reused", "tokens_prefilled", "tokens_decoded")
+TIER_COUNTERS = ("host_hits", "disk_hits", "tokens_from_host", "tokens_from_disk", "bytes_to_host",
+                 "bytes_from_host", "bytes_to_disk", "bytes_from_disk", "disk_rejected")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -124,6 +136,16 @@ class CacheStats(_Rates):
     nodes: int = 0
     pinned_nodes: int = 0
     per_template: dict[str, TemplateStats] = field(default_factory=dict)
+    host_hits: int = 0
+    disk_hits: int = 0
+    tokens_from_host: int = 0
+    tokens_from_disk: int = 0
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
+    disk_rejected: int = 0
+    host_bytes_in_use: int = 0
 
     @property
     def calls(self) -> int:
@@ -139,9 +161,10 @@ class CacheStats(_Rates):
         """The counters accumulated between `earlier` and this snapshot (both from the same backend, with
         no `reset_stats()` between); the gauges (bytes in use, nodes) are this snapshot's. Latencies are
         those recorded after `earlier`."""
-        out = CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
-                            for f in fields(CacheStats) if f.name in _COUNTERS or f.name == "evictions"},
-                         bytes_in_use=self.bytes_in_use, nodes=self.nodes, pinned_nodes=self.pinned_nodes)
+        out = CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(CacheStats)
+                            if f.name in _COUNTERS or f.name in TIER_COUNTERS or f.name == "evictions"},
+                         bytes_in_use=self.bytes_in_use, nodes=self.nodes, pinned_nodes=self.pinned_nodes,
+                         host_bytes_in_use=self.host_bytes_in_use)
         for name, t in self.per_template.items():
             e = earlier.per_template.get(name, TemplateStats())
             d = TemplateStats(*(getattr(t, f) - getattr(e, f) for f in _COUNTERS),
@@ -219,5 +242,11 @@ def format_table(stats: CacheStats, name_width: int = 36) -> str:
     out.append("")
     out.append(f"cache: {stats.lookups} lookups, {stats.hits} hits; {stats.evictions} evictions; "
                f"{format_bytes(stats.bytes_in_use)} in use in {stats.nodes} nodes ({stats.pinned_nodes} pinned)")
+    if any(getattr(stats, name) for name in TIER_COUNTERS) or stats.host_bytes_in_use:
+        out.append(f"tiers: host {stats.host_hits} hits, {stats.tokens_from_host} tokens "
+                   f"({format_bytes(stats.bytes_to_host)} down, {format_bytes(stats.bytes_from_host)} up, "
+                   f"{format_bytes(stats.host_bytes_in_use)} held); disk {stats.disk_hits} hits, "
+                   f"{stats.tokens_from_disk} tokens ({format_bytes(stats.bytes_to_disk)} written, "
+                   f"{format_bytes(stats.bytes_from_disk)} read, {stats.disk_rejected} files ignored)")
     out.append("hit rate = prompt tokens served from the prefix cache / prompt tokens the prefills needed")
     return "\n".join(out)

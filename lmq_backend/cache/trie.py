@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -91,6 +91,8 @@ class PrefixTrie:
         self.evicted_tokens = 0
         self._n_nodes = 0
         self._clock = 0
+        # cache tiers (cache/tiers.py): called with each leaf evict() drops and its prefix's ids, before its slots go
+        self.on_evict: Callable[[TrieNode, tuple[int, ...]], None] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -266,6 +268,10 @@ class PrefixTrie:
         parts = [n.slots for n in self.path(node)]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
+    def path_ids(self, node: TrieNode) -> tuple[int, ...]:
+        """The token ids from the root to the end of node (the cache tiers key a node's K/V by them)."""
+        return tuple(t for n in self.path(node) for t in n.ids)
+
     def evictable_bytes(self) -> int:
         """Bytes of nodes with lock == 0 (each such node's whole subtree is unpinned, so all of it
         can be evicted leaf-first). O(1): kept up to date by pin and unpin."""
@@ -288,6 +294,8 @@ class PrefixTrie:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None and not leaf.children and leaf.lock == 0
+            if self.on_evict is not None:  # cache tiers: the leaf's K/V moves down a tier
+                self.on_evict(leaf, self.path_ids(leaf))
             freed += leaf.nbytes
             self.bytes_in_use -= leaf.nbytes
             self.evictions += 1

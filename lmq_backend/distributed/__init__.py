@@ -3,7 +3,7 @@ prefix-aware router, batch jobs over data sets, and a served endpoint for many c
 
     from lmq_backend.distributed import Cluster
     cluster = Cluster("default", replicas=2)      # ray.init() if this process is not attached to Ray
-    classify = cluster.bind(classify)             # the compiled query now runs on the cluster
+    classify = cluster.bind(classify)             # the compiled query runs on the cluster
 
 Files: `prefix_tree.py` (the router's approximate tree of prompt text), `router.py` (the policy),
 `render.py` (a call's prompt text, a query as shipped), `replica.py` (the actor), `cluster.py` (replicas,

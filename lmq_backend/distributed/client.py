@@ -37,14 +37,16 @@ class ClusterClient(abc.ABC):
     @abc.abstractmethod
     async def areset_stats(self) -> None: ...
 
-    def _ship(self, query) -> tuple[str, list]:
-        """(key, [ObjectRef]) of `query`, put into the object store on first use."""
+    def _ship(self, query, calls: list[dict[str, Any]]) -> tuple[str, list]:
+        """(key, [ObjectRef]) of `query` for `calls`, put into the object store on first use. A name every
+        call gives is not shipped from the query's scope (a module's function that an input shadows)."""
         import ray
 
-        entry = self._shipped.get(query)
-        if entry is None:
-            entry = self._shipped[query] = (uuid.uuid4().hex, [ray.put(shippable(query))])
-        return entry
+        given = frozenset.intersection(*(frozenset(c) for c in calls)) if calls else frozenset()
+        shipped = self._shipped.setdefault(query, {})
+        if given not in shipped:
+            shipped[given] = (uuid.uuid4().hex, [ray.put(shippable(query, given))])
+        return shipped[given]
 
     # ----- calls --------------------------------------------------------------------------------------
 
@@ -52,7 +54,7 @@ class ClusterClient(abc.ABC):
         """One call of a compiled query on the replica that most likely holds its prefix; returns what
         `await query(**inputs)` returns, or raises what it raises."""
         inputs = query._bind((), inputs)
-        key, box = self._ship(query)
+        key, box = self._ship(query, [inputs])
         ok, value = await self._call(key, box, prompt_prefix(query, inputs), inputs)
         if not ok:
             raise value
@@ -71,7 +73,7 @@ class ClusterClient(abc.ABC):
         from .batch import run_batch
 
         items = [query._bind((), dict(x)) for x in inputs]
-        key, box = self._ship(query)
+        key, box = self._ship(query, items)
         outcomes = await run_batch(self, key, box, [prompt_prefix(query, x) for x in items], items,
                                    chunk_size=chunk_size, concurrency=concurrency or self.default_concurrency,
                                    progress=query.name[:30] if progress else None)

@@ -33,11 +33,11 @@ def prompt_prefix(query, inputs: dict[str, Any]) -> str:
     return "".join(parts)[:MAX_CHARS]
 
 
-def shippable(query):
-    """A copy of a compiled query that pickles for a replica: only the scope names it reads (not the
-    caller's whole module), no backend object, no wrapped Python function."""
+def shippable(query, given: frozenset[str] = frozenset()):
+    """A copy of a compiled query that pickles for a replica: only the scope names it reads and its calls
+    do not give (not the caller's whole module), no backend object, no wrapped Python function."""
     out = copy.copy(query)
-    out.scope = {k: v for k, v in query.scope.items() if k in query._needs}
+    out.scope = {k: v for k, v in query.scope.items() if k in query._needs - given}
     if not isinstance(query.model, str):
         out.model = "default"  # a replica runs on its own backend whatever the query names
     for attr in ("__wrapped__", "__doc__"):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..cache.prefix_cache import Pin, PrefixCache
+from ..cache.tiers import TierOptions
 from .picks import Draw
 from .rows import Continuation, PrefillRequest, Row
 from .runner import ModelRunner
@@ -38,13 +39,14 @@ def default_kv_budget(device: torch.device) -> int:
 
 class Engine:
     def __init__(self, model, max_batch: int = 256, kv_budget: int | None = None, cache_budget: int = 0,
-                 weights_folder: Path | None = None):
+                 weights_folder: Path | None = None, tiers: TierOptions | None = None):
         """`kv_budget`: bytes of the K/V store (None: `default_kv_budget`); `cache_budget`: bytes the prefix
         cache keeps of it (0: none, every prefill computes its whole prompt); `weights_folder`: the folder the
-        model was just loaded from, where the fused step keeps its weights' layout (`ModelRunner`)."""
+        model was just loaded from, where the fused step keeps its weights' layout (`ModelRunner`); `tiers`:
+        the cache tiers under the prefix cache (host memory, disk: `cache/tiers.py`; None: none)."""
         self.runner = ModelRunner(model, max_batch=max_batch, weights_folder=weights_folder)
         self.store = self.runner.new_store(default_kv_budget(self.runner.device) if kv_budget is None else kv_budget)
-        self.cache = PrefixCache(self.store, cache_budget)
+        self.cache = PrefixCache(self.store, cache_budget, tiers)
         self.scheduler = Scheduler(self.runner, self.store, self.cache)
 
     @property
@@ -53,7 +55,9 @@ class Engine:
 
     async def prefill(self, request: PrefillRequest, first: bool = False) -> tuple[torch.Tensor, Row]:
         """The logits [V] after the request's ids, and its row in the running batch (release it). `first`: ahead
-        of the other waiting requests (a preempted row resuming)."""
+        of the other waiting requests (a preempted row resuming). The disk tier's files that may serve its
+        prefix are read first, off the event loop (`PrefixCache.stage`)."""
+        request.staged = await self.cache.stage(request.ids, len(request.ids) - 1)
         return await self.scheduler.prefill(request, first)
 
     async def decode(self, row: Row, token: int, ahead: int | Draw | None = None,
@@ -86,6 +90,7 @@ class Engine:
         if self.scheduler.closed:
             return
         self.scheduler.close()
+        self.cache.close()  # the tiers' files being written are finished
         self.runner.close()
         self.store.close()
 

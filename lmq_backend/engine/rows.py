@@ -5,12 +5,13 @@ free K/V slots."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..cache.prefix_cache import Pin
+from ..cache.segment import Segment
 from .picks import Choices, Draw
 
 # A row's continuation: called inside a decode step with the step's logits [B, V] (None: kept on the device) and
@@ -23,7 +24,9 @@ class PrefillRequest:
     """One prefill: the logits after `ids`, computed from the longest cached prefix on. The request's `pin` holds
     the cached prefix it reads; once computed, ids[:stored] go to the prefix cache under it (the pin follows).
     `draw`: the sampled pick to make from the logits; `choices`: a beam's choices to take from them (a step
-    makes its rows' at once). `cached`: the tokens the last lookup found in the cache."""
+    makes its rows' at once). `cached`: the tokens the last lookup found in the cache, `looked_up` when
+    (time.perf_counter()); `staged`: the disk tier's segments read for it before it was queued
+    (`PrefixCache.stage`)."""
 
     pin: Pin
     ids: list[int]
@@ -31,6 +34,8 @@ class PrefillRequest:
     draw: Draw | None = None
     choices: Choices | None = None
     cached: int = 0
+    looked_up: float = 0.0
+    staged: list[Segment] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)

@@ -64,6 +64,10 @@ class ModelRunner:
                 laid_out(model, weights_folder)
             else:
                 _fused_module().decoder_weights(model)
+            if self.device.type == "cpu":  # the CPU kernels' choices for this model's shapes: measured now, once
+                from .fused.cpu_warm_up import warm_up  # per machine, not inside its first queries' calls
+
+                warm_up(model)
         self._decoder = None  # (FusedDecoder, the page table it was built on)
         self.greedy_masks: list[torch.Tensor | None] | None = None
         self._mask_after: torch.Tensor | None = None  # (see set_greedy_masks)

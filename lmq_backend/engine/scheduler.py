@@ -269,7 +269,8 @@ class Scheduler:
     def _lookup(self, request: PrefillRequest) -> PrefillRow:
         """The request's cached prefix (its pin moved there), and the row to prefill: the rest of its ids (the
         last one at least: its logits are the answer)."""
-        slots, request.cached = self.cache.lookup(request.pin, request.ids, limit=len(request.ids) - 1)
+        slots, request.cached = self.cache.lookup(request.pin, request.ids, len(request.ids) - 1, request.staged)
+        request.looked_up = time.perf_counter()
         return PrefillRow(slots, request.cached, request.ids[request.cached:])
 
     def _make_room(self) -> list[Row]:
@@ -416,7 +417,9 @@ class Scheduler:
             w.future.set_result((row_logits, row))
 
     def _store(self, request: PrefillRequest, row: Row) -> None:
-        """What the request computed of ids[:stored] goes to the prefix cache, under its pin."""
+        """What the request computed of ids[:stored] goes to the prefix cache, under its pin; the cache hears
+        how long the request's new tokens took from its lookup on."""
+        self.cache.observe_prefill(len(request.ids) - request.cached, time.perf_counter() - request.looked_up)
         if request.cached < request.stored:
             self.cache.extend(request.pin, request.ids[request.cached:request.stored],
                              self.pool.segment(row.slot, request.cached, request.stored))

@@ -53,10 +53,12 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class Hole:
-    """`[NAME]`: a variable the model fills."""
+    """`[NAME]`: a variable the model fills; `[NAME: type]`: its value is of that type (`int`, `float`, `bool`,
+    `str`, a regex string, a dataclass, a pydantic model, ...) or the return value of a nested query."""
 
     name: str
     span: Span
+    type: PyExpr | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,15 @@ class Interp:
     """`{expr}`: a Python expression whose `str()` is inserted as literal text."""
 
     expr: PyExpr
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """`{:system}`, `{:user}`, `{:assistant}` at the start of a prompt string: it opens that role's message.
+    (The parser moves it to `Prompt.role`; it is never among a Prompt's pieces.)"""
+
+    name: str
+    span: Span
 
 
 Piece = Union[Text, Hole, Interp]
@@ -133,16 +144,21 @@ Constraint = Union[And, Or, Not, Call, Choice, Contains, LenLimit]
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A prompt string statement, with the constraints of its inline `where` (or None)."""
+    """A prompt string statement, with the constraints of its inline `where` (or None); `role`: the message
+    its role tag opens (None: the text continues the message open before it, or a plain prompt);
+    `distribution`: its inline `distribution VAR in [..]` (VAR a hole of this string)."""
 
     pieces: tuple[Piece, ...]
     where: Constraint | None
     span: Span
+    role: str | None = None
+    distribution: "Distribution | None" = None
 
 
 @dataclass(frozen=True, slots=True)
 class Exec:
-    """A Python simple statement run for its effect (assignment, call, ...)."""
+    """A Python statement run for its effect: a simple statement (assignment, call, import, raise, ...), or a
+    `def` / `class` (its body is plain Python)."""
 
     stmt: PyStmt
 
@@ -158,12 +174,64 @@ class If:
 
 @dataclass(frozen=True, slots=True)
 class For:
-    """`for TARGET in ITER:`. `target` is a PyStmt compiled from `TARGET = __lmq_item__`."""
+    """`[async] for TARGET in ITER: ... [else: ...]`. `target` is a PyStmt compiled from `TARGET = __lmq_item__`
+    (its names; the code generator takes the target's own text)."""
 
     target: PyStmt
     iter: PyExpr
     body: tuple["Stmt", ...]
     span: Span
+    orelse: tuple["Stmt", ...] = ()
+    is_async: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class While:
+    """`while TEST: ... [else: ...]`."""
+
+    test: PyExpr
+    body: tuple["Stmt", ...]
+    orelse: tuple["Stmt", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """`except [TYPE [as NAME]]: ...`."""
+
+    type: PyExpr | None
+    name: str | None
+    body: tuple["Stmt", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    """`try: ... except ...: ... [else: ...] [finally: ...]`."""
+
+    body: tuple["Stmt", ...]
+    handlers: tuple[Handler, ...]
+    orelse: tuple["Stmt", ...]
+    finalbody: tuple["Stmt", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class WithItem:
+    """`CONTEXT [as TARGET]` of a with statement; `target` as For's."""
+
+    context: PyExpr
+    target: PyStmt | None
+
+
+@dataclass(frozen=True, slots=True)
+class With:
+    """`[async] with ITEM, ...: ...`."""
+
+    items: tuple[WithItem, ...]
+    body: tuple["Stmt", ...]
+    span: Span
+    is_async: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +250,7 @@ class Continue:
     span: Span
 
 
-Stmt = Union[Prompt, Exec, If, For, Return, Break, Continue]
+Stmt = Union[Prompt, Exec, If, For, While, Try, With, Return, Break, Continue]
 
 
 # ----- the query ------------------------------------------------------------------------------------
@@ -207,9 +275,12 @@ class Distribution:
 
 @dataclass(frozen=True, slots=True)
 class QueryAST:
+    """A parsed query; `chat`: a prompt string of it opens a chat message (a role tag)."""
+
     decoder: Decoder
     body: tuple[Stmt, ...]
     model: str | None
     where: Constraint | None
     distribution: Distribution | None
     source: str
+    chat: bool = False

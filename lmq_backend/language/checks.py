@@ -8,7 +8,7 @@
 - `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
 - `LMQNotSupportedError` for an unknown decoder or an unknown decoder argument;
 - `LMQCompileError` for a decoding knob's value out of its range (`check_knobs`);
-- `LMQCompileError` when `distribution VAR` is not the last hole of the body.
+- `LMQUnknownVariableError` when an inline `distribution VAR in [..]` names no hole of its own prompt string.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from ..errors import (
 )
 from .ast import (
     And, Call, Choice, Constraint, Contains, Exec, For, Hole, If, Interp, LenLimit, Not, Or, Prompt, PyExpr,
-    PyStmt, QueryAST, Return, Stmt,
+    PyStmt, QueryAST, Return, Stmt, Try, While, With,
 )
 
-__all__ = ["check_query", "holes_of", "free_names", "BUILTIN_NAMES", "DECODER_ARGS", "KNOBS", "check_knobs",
-           "walk_stmts", "iter_constraints", "iter_code"]
+__all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "KNOBS",
+           "check_knobs", "walk_stmts", "bodies", "iter_constraints", "iter_code", "bound_names"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
 
@@ -47,6 +47,7 @@ DECODER_ARGS: dict[str, frozenset[str]] = {
     "argmax": frozenset({"max_len", *KNOBS}),
     "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len", *KNOBS}),
     "beam": frozenset({"n", "max_len"}),
+    "beam_sample": frozenset({"n", "temperature", "seed", "max_len"}),
     "beam_var": frozenset({"n", "max_len"}),
     "var": frozenset({"b", "n", "max_len"}),
     "best_k": frozenset({"k", "budget", "kappa", "beta", "gamma", "max_heap_size", "top_k_continuations", "max_len"}),
@@ -60,15 +61,24 @@ def _pos(span) -> str:
 # ----- walks ----------------------------------------------------------------------------------------
 
 def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
-    """Every statement, in source order, recursively through if/for bodies."""
+    """Every statement, in source order, recursively through the bodies of compound statements."""
     for s in body:
         yield s
-        if isinstance(s, If):
-            for _, b in s.branches:
-                yield from walk_stmts(b)
-            yield from walk_stmts(s.orelse)
-        elif isinstance(s, For):
-            yield from walk_stmts(s.body)
+        for b in bodies(s):
+            yield from walk_stmts(b)
+
+
+def bodies(s: Stmt) -> list[tuple[Stmt, ...]]:
+    """The bodies a statement holds, in source order."""
+    if isinstance(s, If):
+        return [b for _, b in s.branches] + [s.orelse]
+    if isinstance(s, (For, While)):
+        return [s.body, s.orelse]
+    if isinstance(s, Try):
+        return [s.body, *(h.body for h in s.handlers), s.orelse, s.finalbody]
+    if isinstance(s, With):
+        return [s.body]
+    return []
 
 
 def _all_holes(q: QueryAST) -> list:
@@ -81,6 +91,11 @@ def holes_of(q: QueryAST) -> list[str]:
     for h in _all_holes(q):
         seen.setdefault(h.name, None)
     return list(seen)
+
+
+def uses_roles(q: QueryAST) -> bool:
+    """Whether a prompt string of the query opens a chat message (`{:system}`, `{:user}`, `{:assistant}`)."""
+    return any(isinstance(s, Prompt) and s.role is not None for s in walk_stmts(q.body))
 
 
 def iter_constraints(c: Constraint | None, negated: bool = False) -> Iterator[tuple[Constraint, bool]]:
@@ -123,8 +138,12 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
             for p in s.pieces:
                 if isinstance(p, Interp):
                     yield p.expr
+                elif isinstance(p, Hole) and p.type is not None:
+                    yield p.type
             for leaf, _ in iter_constraints(s.where):
                 yield from _constraint_exprs(leaf)
+            if s.distribution is not None:
+                yield s.distribution.options
         elif isinstance(s, Exec):
             yield s.stmt
         elif isinstance(s, If):
@@ -133,6 +152,15 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
         elif isinstance(s, For):
             yield s.iter
             yield s.target
+        elif isinstance(s, While):
+            yield s.test
+        elif isinstance(s, Try):
+            yield from (h.type for h in s.handlers if h.type is not None)
+        elif isinstance(s, With):
+            for item in s.items:
+                yield item.context
+                if item.target is not None:
+                    yield item.target
         elif isinstance(s, Return) and s.value is not None:
             yield s.value
     for leaf, _ in iter_constraints(q.where):
@@ -141,13 +169,18 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
         yield q.distribution.options
 
 
-def _bound_names(q: QueryAST) -> set[str]:
+def bound_names(q: QueryAST) -> set[str]:
+    """Names the query binds itself: holes, assignment and `for` targets."""
     bound = set(holes_of(q))
     for s in walk_stmts(q.body):
         if isinstance(s, Exec):
             bound |= s.stmt.assigned
         elif isinstance(s, For):
             bound |= s.target.assigned
+        elif isinstance(s, Try):
+            bound |= {h.name for h in s.handlers if h.name is not None}
+        elif isinstance(s, With):
+            bound |= {n for item in s.items if item.target is not None for n in item.target.assigned}
     return bound
 
 
@@ -157,7 +190,7 @@ def free_names(q: QueryAST) -> set[str]:
     names: set[str] = set()
     for code in iter_code(q):
         names |= code.names
-    return names - _bound_names(q) - BUILTIN_NAMES
+    return names - bound_names(q) - BUILTIN_NAMES
 
 
 # ----- checks ---------------------------------------------------------------------------------------
@@ -228,19 +261,32 @@ def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[
         if dist.var not in hole_set:
             raise LMQUnknownVariableError(
                 f"distribution at {_pos(dist.span)}: {dist.var!r} is not a hole of this query (holes: {listing})")
-        last = _all_holes(q)[-1].name
-        if dist.var != last:
-            raise LMQCompileError(
-                f"distribution at {_pos(dist.span)}: {dist.var!r} must be the last hole of the query body "
-                f"(the last hole is {last!r})")
+        if _is_empty_literal(dist.options):
+            raise LMQConstraintConflictError(
+                f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")
+    for s in walk_stmts(q.body):
+        dist = s.distribution if isinstance(s, Prompt) else None
+        if dist is None:
+            continue
+        own = [p.name for p in s.pieces if isinstance(p, Hole)]
+        if dist.var not in own:
+            raise LMQUnknownVariableError(
+                f"distribution at {_pos(dist.span)}: {dist.var!r} is not a hole of its prompt string "
+                f"(its holes: {', '.join(own) or 'none'})")
         if _is_empty_literal(dist.options):
             raise LMQConstraintConflictError(
                 f"distribution at {_pos(dist.span)}: {dist.var} in {dist.options.source} has no options")
 
     if inputs is not None:
-        allowed = set(inputs) | set(known_globals) | BUILTIN_NAMES | _bound_names(q)
+        allowed = set(inputs) | set(known_globals) | BUILTIN_NAMES | bound_names(q)
+        types = {id(h.type): h for h in _all_holes(q) if h.type is not None}
         for code in iter_code(q):
             unknown = sorted(code.names - allowed)
+            if unknown and id(code) in types:
+                h = types[id(code)]
+                raise LMQUnknownVariableError(
+                    f"unknown type {unknown[0]!r} of hole [{h.name}: {code.source}] at {_pos(code.span)}: it is not "
+                    f"an input, a global or a variable of the query")
             if unknown:
                 name = unknown[0]
                 known = ", ".join(sorted(inputs)) if inputs else "none"

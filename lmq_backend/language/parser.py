@@ -23,8 +23,8 @@ rule), `python_code.py` (Python expressions and statements), `templates.py` (pro
 """
 from __future__ import annotations
 
-import importlib.resources
 import threading
+from pathlib import Path
 from typing import Iterator
 
 from lark import Lark, Token
@@ -117,8 +117,20 @@ _parse_lock = threading.Lock()   # the postlex instance holds per-parse state
 _indenter = _LMQIndenter()
 
 
+def grammar_path() -> Path:
+    """grammar/lmq.lark, installed as the namespace package `lmq_grammar` (searched entry by entry: an editable
+    install adds a placeholder entry that importlib.resources cannot read)."""
+    import lmq_grammar
+
+    for entry in lmq_grammar.__path__:
+        path = Path(entry) / "lmq.lark"
+        if path.is_file():
+            return path
+    raise LMQError(f"the query grammar lmq.lark is missing from {list(lmq_grammar.__path__)}")
+
+
 def grammar_text() -> str:
-    return (importlib.resources.files("lmq_grammar") / "lmq.lark").read_text(encoding="utf-8")
+    return grammar_path().read_text(encoding="utf-8")
 
 
 def _get_lark() -> Lark:

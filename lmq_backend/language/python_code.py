@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import symtable
 import warnings
 from types import CodeType
 
@@ -121,7 +122,8 @@ class _PyText:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                return compile(tree if tree is not None else self.tree, "<lmq>", self.mode)
+                return compile(tree if tree is not None else self.tree, "<lmq>", self.mode,
+                               flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
             except (SyntaxError, ValueError, TypeError) as e:
                 if isinstance(e, SyntaxError):
                     raise self._syntax_error(e) from None
@@ -184,10 +186,12 @@ def make_expr(text: str, line: int, column: int, src: _Source) -> PyExpr:
 
 
 def make_stmt(text: str, line: int, column: int, src: _Source, ignore: frozenset[str] = frozenset()) -> PyStmt:
-    """Compile a Python simple statement into a PyStmt (`names` read, `assigned` names bound)."""
+    """Compile a Python statement (a simple one, a def or a class) into a PyStmt (`names` read, `assigned`
+    names bound)."""
     py = _PyText(text, line, column, src, mode="exec")
     assigned: set[str] = set()
-    reads = set(free_names_of(py.tree))
+    scoped = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in ast.walk(py.tree))
+    reads = set(_scoped_reads(py.parsed_text) if scoped else free_names_of(py.tree))
     for st in py.tree.body:
         if isinstance(st, ast.Assign):
             for t in st.targets:
@@ -196,4 +200,25 @@ def make_stmt(text: str, line: int, column: int, src: _Source, ignore: frozenset
             assigned |= _targets(st.target)
             if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name):
                 reads.add(st.target.id)
+        elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            assigned.add(st.name)
+        elif isinstance(st, (ast.Import, ast.ImportFrom)):
+            assigned |= {a.asname or a.name.split(".")[0] for a in st.names if a.name != "*"}
     return PyStmt(text, py.compile(), frozenset(reads - ignore), frozenset(assigned), Span(line, column))
+
+
+def _scoped_reads(text: str) -> set[str]:
+    """The names a statement with functions or classes inside reads from the scope it runs in: at its own
+    level, those it loads; inside, those its functions and classes leave to the globals (Python's symbol
+    tables say which)."""
+    out: set[str] = set()
+
+    def walk(table: symtable.SymbolTable, top: bool) -> None:
+        for sym in table.get_symbols():
+            if sym.is_referenced() and (top or sym.is_global()):
+                out.add(sym.get_name())
+        for child in table.get_children():
+            walk(child, False)
+
+    walk(symtable.symtable(text, "<lmq>", "exec"), True)
+    return out

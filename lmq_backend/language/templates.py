@@ -9,14 +9,16 @@ from typing import Any
 
 from lark import Token
 
-from .ast import Hole, Interp, Piece, Span, Text
+from .ast import Hole, Interp, Piece, Role, Span, Text
 from .python_code import make_expr
 from .source import _Source
 
 
 _PREFIX = re.compile(r"[A-Za-z]*")
 _ESCAPE = re.compile(r"\\(?:N\{[^}\n]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|\n|[\s\S])")
-_HOLE = re.compile(r"\[([^\W\d]\w*)\]")
+_HOLE = re.compile(r"\[([^\W\d]\w*)(\]|[ \t]*:)")
+_ROLE = re.compile(r"\{:([^{}]*)\}")
+ROLES = ("system", "user", "assistant")
 
 
 def _literal(text: str) -> Any:
@@ -66,8 +68,8 @@ def decode_string_token(tok: Token, src: _Source, allow_f: bool = True) -> tuple
     return value, offsets
 
 
-def _interp_end(s: str, start: int) -> int:
-    """Index of the `}` closing an interpolation whose expression starts at `start`, or -1."""
+def _interp_end(s: str, start: int, close: str = "}") -> int:
+    """Index of the `close` (`}`, or `]` for a hole's type) closing an expression that starts at `start`, or -1."""
     depth = 0
     i, n = start, len(s)
     while i < n:
@@ -81,21 +83,20 @@ def _interp_end(s: str, start: int) -> int:
                 return -1
             i += len(quote)
             continue
+        if c == close and depth == 0:
+            return i
         if c in "([{":
             depth += 1
-        elif c in ")]":
+        elif c in ")]}":
             depth = max(depth - 1, 0)
-        elif c == "}":
-            if depth == 0:
-                return i
-            depth -= 1
         i += 1
     return -1
 
 
-def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece]:
-    """Split a decoded prompt string into Text / Hole / Interp pieces."""
-    pieces: list[Piece] = []
+def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece | Role]:
+    """Split a decoded prompt string into Text / Hole / Interp pieces, and Role tags (`{:user}`: the caller
+    checks where they stand)."""
+    pieces: list[Piece | Role] = []
     buf: list[str] = []
 
     def at(i: int) -> tuple[int, int]:
@@ -116,10 +117,21 @@ def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece]:
                 continue
             m = _HOLE.match(value, i)
             if m is None:
-                raise src.error("'[' must start a hole [NAME] (write '[[' for a literal '[')", *at(i))
+                raise src.error("'[' must start a hole [NAME] or [NAME: type] (write '[[' for a literal '[')", *at(i))
             flush()
-            pieces.append(Hole(m.group(1), Span(*at(i))))
-            i = m.end()
+            if m.group(2) == "]":
+                pieces.append(Hole(m.group(1), Span(*at(i))))
+                i = m.end()
+                continue
+            j = _interp_end(value, m.end(), "]")
+            if j < 0:
+                raise src.error("'[' was never closed in prompt string (write '[[' for a literal '[')", *at(i))
+            inner = value[m.end():j]
+            if not inner.strip():
+                raise src.error(f"hole [{m.group(1)}: ...] needs a type after ':'", *at(m.end()))
+            k = m.end() + (len(inner) - len(inner.lstrip()))
+            pieces.append(Hole(m.group(1), Span(*at(i)), make_expr(inner.strip(), *at(k), src)))
+            i = j + 1
         elif c == "]":
             buf.append("]")
             i += 2 if value.startswith("]]", i) else 1
@@ -127,6 +139,17 @@ def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece]:
             if value.startswith("{{", i):
                 buf.append("{")
                 i += 2
+                continue
+            if value.startswith("{:", i):
+                m = _ROLE.match(value, i)
+                if m is None:
+                    raise src.error("'{:' must start a role tag such as {:user}", *at(i))
+                name = m.group(1).strip()
+                if name not in ROLES:
+                    raise src.error(f"unknown role {{:{name}}}: use {{:system}}, {{:user}} or {{:assistant}}", *at(i))
+                flush()
+                pieces.append(Role(name, Span(*at(i))))
+                i = m.end()
                 continue
             j = _interp_end(value, i + 1)
             if j < 0:

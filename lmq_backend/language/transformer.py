@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import textwrap
 from dataclasses import replace
 from typing import Any
 
@@ -10,9 +11,10 @@ from lark import Token, Transformer, Tree, v_args
 
 from ..errors import LMQCompileError
 from .ast import (
-    Break, Continue, Decoder, Distribution, Exec, For, Hole, If, Piece, Prompt, PyExpr, PyStmt, QueryAST,
-    Return, Span, Stmt,
+    Break, Continue, Decoder, Distribution, Exec, For, Handler, Hole, If, Piece, Prompt, PyExpr, PyStmt, QueryAST,
+    Return, Role, Span, Stmt, Text, Try, While, With, WithItem,
 )
+from .checks import uses_roles
 from .python_code import _PyText, make_expr, make_stmt
 from .source import _Source
 from .templates import _literal, _merge_text, decode_string_token, parse_template
@@ -26,7 +28,7 @@ class _PendingWhere:
         self.py = py
 
 
-_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_var", "var", "best_k"}
+_DECODERS_AT_TOP = {"argmax", "sample", "beam", "beam_sample", "beam_var", "var", "best_k"}
 
 
 @v_args(meta=True)
@@ -36,9 +38,14 @@ class QueryTransformer(Transformer):
 
     RULES = frozenset({
         "start", "decoder_block", "from_clause", "where_clause", "distribution_clause",
-        "expr_stmt", "assign_stmt", "augassign_stmt", "annassign_stmt", "prompt_stmt", "return_stmt", "pass_stmt",
-        "break_stmt", "continue_stmt", "if_stmt", "elif_clause", "else_clause", "for_stmt", "suite",
+        "expr_stmt", "assign_stmt", "augassign_stmt", "annassign_stmt", "prompt_stmt", "distribution_stmt",
+        "return_stmt", "pass_stmt", "break_stmt", "continue_stmt", "import_stmt", "raise_stmt", "assert_stmt",
+        "del_stmt", "global_stmt", "nonlocal_stmt", "if_stmt", "elif_clause", "else_clause", "for_stmt",
+        "while_stmt", "try_stmt", "except_clause", "finally_clause", "with_stmt", "def_stmt", "class_stmt",
+        "decorated_stmt", "suite",
     })
+    # plain Python as a whole: their bodies are not query statements (a docstring is no prompt)
+    OPAQUE = frozenset({"def_stmt", "class_stmt", "decorated_stmt"})
 
     def __init__(self, src: _Source):
         super().__init__(visit_tokens=False)
@@ -48,6 +55,8 @@ class QueryTransformer(Transformer):
 
     # lark hook: do not descend into Python expression subtrees
     def _transform_tree(self, tree: Tree) -> Any:
+        if tree.data in self.OPAQUE:
+            return self._call_userfunc(tree, list(tree.children))
         if tree.data in self.RULES:
             return super()._transform_tree(tree)
         return tree
@@ -76,15 +85,23 @@ class QueryTransformer(Transformer):
         return _PendingWhere(_PyText(text, line, col, self.src))
 
     def _prompt(self, strings: Tree, where: _PendingWhere | None) -> Prompt:
-        pieces: list[Piece] = []
+        pieces: list[Piece | Role] = []
         for tok in strings.children:
             value, offsets = decode_string_token(tok, self.src)
             pieces.extend(parse_template(value, offsets, self.src))
+        role = None
+        if pieces and isinstance(pieces[0], Role):
+            role = pieces.pop(0).name
+            if pieces and isinstance(pieces[0], Text):  # the message starts at its first non-blank character
+                pieces[0] = Text(pieces[0].text.lstrip())
         for p in pieces:
             if isinstance(p, Hole):
                 self.holes.append(p.name)
+            elif isinstance(p, Role):
+                raise self.src.error(f"a role tag {{:{p.name}}} must start its prompt string (a message ends where "
+                                     f"the next role tag begins)", p.span.line, p.span.column)
         first = strings.children[0]
-        prompt = Prompt(_merge_text(pieces), None, Span(first.line, first.column))
+        prompt = Prompt(_merge_text(pieces), None, Span(first.line, first.column), role)
         if where is not None:
             self.pending[id(prompt)] = where
         return prompt
@@ -112,6 +129,24 @@ class QueryTransformer(Transformer):
     def prompt_stmt(self, meta, children):
         strings, test = children
         return self._prompt(strings, self._where(test))
+
+    def distribution_stmt(self, meta, children):
+        strings, test = children
+        return replace(self._prompt(strings, None), distribution=self._distribution(test))
+
+    def _exec(self, meta, children):
+        return Exec(self._stmt(meta))
+
+    import_stmt = raise_stmt = assert_stmt = del_stmt = global_stmt = nonlocal_stmt = _exec
+
+    def _block_stmt(self, meta, children):
+        """A def or a class (decorated or not): one Python statement, its text re-indented as written."""
+        start, end = meta.start_pos, meta.end_pos
+        indent = self.src.text[self.src.offset(meta.line, 1):start]
+        text = textwrap.dedent(indent + self.src.text[start:end])
+        return Exec(make_stmt(text, meta.line, meta.column, self.src))
+
+    def_stmt = class_stmt = decorated_stmt = _block_stmt
 
     def return_stmt(self, meta, children):
         value = children[0] if children else None
@@ -149,11 +184,44 @@ class QueryTransformer(Transformer):
                 orelse = r[1]
         return If(tuple(branches), orelse, Span(meta.line, meta.column))
 
+    def _target(self, node: Tree | Token) -> PyStmt:
+        """An assignment target (of a for, a with) as the statement `TARGET = __lmq_item__`."""
+        ttext, tline, tcol = self._text(node)
+        return make_stmt(f"{ttext} = __lmq_item__", tline, tcol, self.src, ignore=frozenset({"__lmq_item__"}))
+
     def for_stmt(self, meta, children):
-        target, iterable, body = children
-        ttext, tline, tcol = self._text(target)
-        tstmt = make_stmt(f"{ttext} = __lmq_item__", tline, tcol, self.src, ignore=frozenset({"__lmq_item__"}))
-        return For(tstmt, self._expr(iterable), body, Span(meta.line, meta.column))
+        is_async, target, iterable, body, *rest = children
+        orelse = rest[0][1] if rest and rest[0] is not None else ()
+        return For(self._target(target), self._expr(iterable), body, Span(meta.line, meta.column), orelse,
+                   is_async is not None)
+
+    def while_stmt(self, meta, children):
+        test, body, *rest = children
+        orelse = rest[0][1] if rest and rest[0] is not None else ()
+        return While(self._expr(test), body, orelse, Span(meta.line, meta.column))
+
+    def except_clause(self, meta, children):
+        kind, name, body = children
+        return Handler(self._expr(kind) if kind is not None else None, str(name) if name is not None else None,
+                       body, Span(meta.line, meta.column))
+
+    def finally_clause(self, meta, children):
+        return ("finally", children[0])
+
+    def try_stmt(self, meta, children):
+        body, *rest = children
+        handlers = tuple(r for r in rest if isinstance(r, Handler))
+        orelse = next((r[1] for r in rest if isinstance(r, tuple) and r[0] == "else"), ())
+        finalbody = next((r[1] for r in rest if isinstance(r, tuple) and r[0] == "finally"), ())
+        return Try(body, handlers, orelse, finalbody, Span(meta.line, meta.column))
+
+    def with_stmt(self, meta, children):
+        is_async, *items, body = children
+        out = []
+        for item in items:
+            context, target = item.children
+            out.append(WithItem(self._expr(context), self._target(target) if target is not None else None))
+        return With(tuple(out), body, Span(meta.line, meta.column), is_async is not None)
 
     # -- decoder and clauses --
     def _decoder(self, head: Any, body_span: Span | None, meta: Any) -> Decoder:
@@ -204,6 +272,10 @@ class QueryTransformer(Transformer):
 
     def distribution_clause(self, meta, children):
         (test,) = children
+        return ("distribution", self._distribution(test))
+
+    def _distribution(self, test: Tree | Token) -> Distribution:
+        """`VAR in <options>` of a distribution clause (global or inline)."""
         py = _PyText(*self._text(test), self.src)
         node = py.tree.body
         if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.In)
@@ -212,7 +284,7 @@ class QueryTransformer(Transformer):
             raise LMQCompileError(f"the distribution clause must have the form `VAR in <options>` "
                                   f"(line {line}, column {col})")
         b = _ConstraintBuilder(py, set())
-        return ("distribution", Distribution(node.left.id, b.expr(node.comparators[0]), Span(*py.node_pos(node))))
+        return Distribution(node.left.id, b.expr(node.comparators[0]), Span(*py.node_pos(node)))
 
     def start(self, meta, children):
         decoder: Decoder | None = None
@@ -258,7 +330,8 @@ class QueryTransformer(Transformer):
         holes = set(self.holes)
         body_t = self._resolve(tuple(body), holes)
         where = _combine([_ConstraintBuilder(w.py, holes).convert(w.py.tree) for w in wheres])
-        return QueryAST(decoder or Decoder("argmax", {}, Span(1, 1)), body_t, model, where, dist, self.src.text)
+        query = QueryAST(decoder or Decoder("argmax", {}, Span(1, 1)), body_t, model, where, dist, self.src.text)
+        return replace(query, chat=uses_roles(query))
 
     def _resolve(self, body: tuple, holes: set[str]) -> tuple:
         """Convert the pending inline wheres now that every hole of the query is known."""
@@ -270,7 +343,13 @@ class QueryTransformer(Transformer):
             elif isinstance(s, If):
                 s = replace(s, branches=tuple((t, self._resolve(b, holes)) for t, b in s.branches),
                             orelse=self._resolve(s.orelse, holes))
-            elif isinstance(s, For):
+            elif isinstance(s, (For, While)):
+                s = replace(s, body=self._resolve(s.body, holes), orelse=self._resolve(s.orelse, holes))
+            elif isinstance(s, Try):
+                s = replace(s, body=self._resolve(s.body, holes), orelse=self._resolve(s.orelse, holes),
+                            finalbody=self._resolve(s.finalbody, holes),
+                            handlers=tuple(replace(h, body=self._resolve(h.body, holes)) for h in s.handlers))
+            elif isinstance(s, With):
                 s = replace(s, body=self._resolve(s.body, holes))
             out.append(s)
         return tuple(out)

@@ -5,6 +5,11 @@ a left-padded numpy batch and re-sends whole prompts every call. Each row is str
 run as its own lmq sequence (`seq.ids` = LMQL's token ids, so the trie matches them), all rows of a call
 together with `asyncio.gather` on one dedicated event loop, so that lmq's scheduler batches them and
 every call prefills only what the trie does not hold.
+
+lmq's model process (process.py) serves LMQL's LMTP calls one by one instead, without LMQL's scheduler:
+`stream_generate` and `stream_score` run one call on the caller's event loop and hand each of its tokens to
+`emit` as an LMTP token payload, in the form LMQL's own scheduler sends (`TokenStreamer`, `ScoreStreamer`).
+Concurrent calls then batch in lmq's scheduler as lmq's own queries do.
 """
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ import torch
 
 from lmql.models.lmtp.backends.lmtp_model import LMTPModelResult
 
-from .backend.protocol import Backend
-from .runtime.constraints import Stop
-from .runtime.decoders import Greedy, Sampler, Sampling
+from ..backend.protocol import Backend
+from ..runtime.constraints import Stop
+from ..runtime.decoders import Greedy, Sampler, Sampling
 
 MASK_RANGE = 50.0  # a token whose LMQL bias lies this far below the row's largest bias is disallowed
 
@@ -32,7 +37,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def _run(coro):
+def run(coro):
     """Run `coro` on the plugin's event loop (a daemon thread) and wait for it: the engine's scheduler is
     asyncio-based and must see the concurrent rows of a call in one loop."""
     global _loop
@@ -98,7 +103,8 @@ class _BiasSampler(Sampler):
     """Adds LMQL's bias to the logits, keeps the pick inside the allowed tokens and reports every pick
     (with its log-probabilities, as LMQL's streamer wants them) to the batch."""
 
-    def __init__(self, inner: Sampler, bias: torch.Tensor, allowed: torch.Tensor, batch: "_Batch", row: int):
+    def __init__(self, inner: Sampler, bias: torch.Tensor, allowed: torch.Tensor, batch: "_Batch | _Stream",
+                 row: int):
         self.inner, self.bias, self.allowed, self.batch, self.row = inner, bias, allowed, batch, row
 
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
@@ -176,6 +182,41 @@ class _Batch:
         return LMTPModelResult(sequences=self._sequences(n), scores=[np.stack(self._step(n - 1))])
 
 
+class _Stream:
+    """The picks of one call as LMQL's LMTP token payloads (`lmtp_scheduler.TokenStreamer`'s form), each handed
+    to `emit` once the next pick (or the call's end) shows whether it was the last: the batch's `push` and
+    `finish` for a single row."""
+
+    def __init__(self, emit, eos: int, special: np.ndarray, max_new_tokens: int, top_logprobs: int):
+        self.emit, self.eos, self.special, self.max_new_tokens = emit, eos, special, max_new_tokens
+        self.top_logprobs = max(1, int(top_logprobs))
+        self.held: tuple[int, np.ndarray] | None = None
+        self.n = 0
+
+    def push(self, row: int, token: int, scores: np.ndarray) -> None:
+        if self.held is not None:
+            self._send(*self.held, last=False)
+        self.held, self.n = (int(token), scores), self.n + 1
+
+    def finish(self, row: int) -> None:
+        if self.held is None or (not self.special[self.held[0]] and self.n < self.max_new_tokens):
+            if self.held is not None:   # the engine ended the row without a pick (only special tokens allowed)
+                self._send(*self.held, last=False)
+            pad = np.full(len(self.special), -np.inf, dtype=np.float32)
+            pad[self.eos] = 0.0
+            self.held = (self.eos, pad)
+        self._send(*self.held, last=True)
+
+    def _send(self, token: int, scores: np.ndarray, last: bool) -> None:
+        from lmql.utils.nputil import topk
+
+        values, indices = topk(scores[None], self.top_logprobs, sorted=True, axis=-1)
+        score = float(scores[token])
+        self.emit({"token": token, "logprob": score,
+                   "finish_reason": "stop" if token == self.eos else "length" if last else None,
+                   "top_logprobs": {token: score, **{int(i): float(v) for v, i in zip(values[0], indices[0])}}})
+
+
 # ----- the calls -------------------------------------------------------------------------------------
 
 class LMQLCalls:
@@ -201,9 +242,43 @@ class LMQLCalls:
             max_new_tokens = min(max_new_tokens, self.mask_chunk)
         batch = _Batch(input_ids, streamer, self.eos_token_id, self.backend.vocab.special, max_new_tokens)
         inner = (lambda: Greedy()) if temperature == 0 else (lambda: Sampling(temperature, top_p))
-        _run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), m, inner(), max_new_tokens)
+        run(_gather([self._generate_row(batch, i, ids[mask != 0].tolist(), m, inner(), max_new_tokens)
                       for i, (ids, mask, m) in enumerate(zip(input_ids, attention_mask, masks))]))
         return batch.result()
+
+    async def stream_generate(self, prompt: list[int], logit_bias: dict | None, kwargs: dict, emit) -> None:
+        """One LMTP GENERATE call (as LMQL's scheduler runs a batch of one: `max_tokens` 32, `temperature` 0
+        unless given), on the running event loop; each token goes to `emit` as a payload (see `_Stream`)."""
+        kwargs = dict(kwargs)
+        max_new_tokens = int(kwargs.pop("max_tokens", 32))
+        temperature = float(kwargs.pop("temperature", 0.0))
+        top_logprobs = int(kwargs.pop("top_logprobs", 1))
+        top_p = float(kwargs.pop("top_p", 1.0))
+        if kwargs:
+            warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
+        mask = self._mask(logit_bias)
+        if int(mask[1].sum()) < self.backend.vocab.size // 2:   # see `generate`
+            max_new_tokens = min(max_new_tokens, self.mask_chunk)
+        stream = _Stream(emit, self.eos_token_id, self.backend.vocab.special, max_new_tokens, top_logprobs)
+        inner = Greedy() if temperature == 0 else Sampling(temperature, top_p)
+        await self._generate_row(stream, 0, [int(t) for t in prompt], mask, inner, max_new_tokens)
+
+    async def stream_score(self, prompt: list[int], scored: list[int], emit) -> None:
+        """One LMTP SCORE call: the log-probability of each token of `scored` after `prompt` (and the ones of
+        `scored` before it) to `emit`, the last with finish reason "stop" (`ScoreStreamer`'s form)."""
+        ids = [int(t) for t in prompt] + [int(t) for t in scored]
+        start = max(1, len(prompt))   # the first token of a sequence has no score (0, as in `score`)
+        lps = [0.0] * (start - len(prompt))
+        if start < len(ids):
+            seq = self.backend.sequence(template="lmql", max_len=1 << 30)
+            seq.ids = ids[:start]
+            try:
+                [row] = await self.backend.score_tokens(seq, [ids[start:]])
+            finally:
+                self.backend.release(seq)
+            lps += [float(x) for x in row]
+        for j, (token, lp) in enumerate(zip(scored, lps)):
+            emit({"token": int(token), "logprob": lp, "finish_reason": "stop" if j == len(scored) - 1 else None})
 
     def _mask(self, bias) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """LMQL's logit bias of a row (a {token: value} dict, or a dense row) as (additive bias, allowed,
@@ -219,7 +294,7 @@ class LMQLCalls:
         allowed = dense >= dense.max() - MASK_RANGE
         return dense, allowed, bool(allowed.numpy()[vocab.special].any())
 
-    async def _generate_row(self, batch: _Batch, row: int, ids: list[int], mask, inner: Sampler,
+    async def _generate_row(self, batch: "_Batch | _Stream", row: int, ids: list[int], mask, inner: Sampler,
                             max_new_tokens: int) -> None:
         backend = self.backend
         dense, allowed, can_end = mask
@@ -255,7 +330,7 @@ class LMQLCalls:
                 self.backend.release(seq)
             out[i, pad + start:] = lps
 
-        _run(_gather([score_row(i) for i in range(len(input_ids))]))
+        run(_gather([score_row(i) for i in range(len(input_ids))]))
         return out
 
 

@@ -81,7 +81,8 @@ TRANSFORMERS_BACKEND = "lmql.models.lmtp.backends.transformers_model"  # deferre
 
 
 class _Loader:
-    """Runs the module's own loader, then patches the module (plain classes: `importlib.abc` costs 40 ms)."""
+    """Runs the module's own loader, then patches the module (plain classes: importing `importlib.abc` is not
+    free at start-up)."""
 
     def __init__(self, inner, patch):
         self.inner, self.patch = inner, patch
@@ -96,9 +97,9 @@ class _Loader:
 
 class _Deferred:
     """Loads LMQL's transformers backend on first use, not when any LMQL model is made: LMQL's
-    `lmql.models.lmtp.backends` imports it eagerly, and it imports torch (~2 CPU s in LMQL's process, where
-    `local:lmq:` models need neither). The module's attributes and `LMTPModel.registry["transformers"]`
-    load it then; it registers itself as before."""
+    `lmql.models.lmtp.backends` imports it eagerly, and it imports torch (seconds of CPU in LMQL's process,
+    where `local:lmq:` models need neither). The module's attributes and `LMTPModel.registry["transformers"]`
+    load it then; it registers itself as it would have at import."""
 
     def __init__(self, spec):
         import threading

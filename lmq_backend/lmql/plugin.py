@@ -1,4 +1,4 @@
-"""lmq as a model backend for LMQL 0.7.3 (issues #7, #16; LMQL issue #263): LMQL's queries, lmq's trie.
+"""lmq as a model backend for LMQL 0.7.3 (LMQL issue #263 asks for KV-cache reuse): LMQL's queries, lmq's trie.
 
     import lmql
     m = lmql.model("local:lmq:default")       # with lmq installed, nothing else to import or pass
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import hook as lmql_hook
 
-__all__ = ["LMQModel", "model", "tokenizer_dir"]
+__all__ = ["LMQModel", "model", "tokenizer_dir", "backend_for", "backend_arguments"]
 
 BACKEND_ARGS = ("device", "dtype", "cache_budget")
 
@@ -46,18 +46,18 @@ def _is_folder(spec: str) -> bool:
     return Path(spec.removeprefix("hf:")).is_dir()
 
 
-def _backend(spec: str, **kwargs):
+def backend_for(spec: str, **kwargs):
     """The lmq backend for `lmq:SPEC`: a name `get_backend` knows, or a model folder. Keyword arguments
     (device, dtype, cache_budget) load a new HFBackend for it."""
     key = (spec, tuple(sorted(kwargs.items())))
     with _backends_lock:
         if key not in _backends:
             if not kwargs:
-                from .backend.registry import get_backend
+                from ..backend.registry import get_backend
 
                 _backends[key] = get_backend(spec if not Path(spec).is_dir() else f"hf:{spec}")
             else:
-                from .backend.hf import HFBackend
+                from ..backend.hf import HFBackend
 
                 _backends[key] = HFBackend(spec.removeprefix("hf:"), **kwargs)
         return _backends[key]
@@ -85,19 +85,19 @@ def backend_arguments(kwargs: dict) -> dict:
 def tokenizer_dir(spec: str) -> str:
     """The tokenizer folder of `lmq:SPEC`, for LMQL's tokenizer (loaded in LMQL's process)."""
     if spec == "default":
-        from .backend.default_model import default_model_dir
+        from ..backend.default_model import default_model_dir
 
         return str(default_model_dir())
     if _is_folder(spec):
         return spec.removeprefix("hf:")
-    from .backend.registry import get_backend
+    from ..backend.registry import get_backend
 
     return str(getattr(get_backend(spec).vocab.tokenizer, "name_or_path", "") or "")
 
 
 def model(spec: str = "default", **kwargs):
-    """`lmql.model("local:lmq:SPEC", **kwargs)` (kept from before the one-line switch: it passes LMQL the
-    tokenizer folder of SPEC's backend explicitly)."""
+    """`lmql.model("local:lmq:SPEC", **kwargs)` with LMQL given the tokenizer folder of SPEC's backend explicitly
+    (what the model string alone does when the hook is installed)."""
     import lmql
 
     kwargs.setdefault("tokenizer", tokenizer_dir(spec))
@@ -131,7 +131,7 @@ class LMQModel:
                 warnings.warn(f"lmq: ignoring LMQL model arguments {sorted(kwargs)}")
             from .calls import LMQLCalls
 
-            self._calls = LMQLCalls(_backend(self.spec, **args), mask_chunk=mask_chunk)
+            self._calls = LMQLCalls(backend_for(self.spec, **args), mask_chunk=mask_chunk)
         except BaseException as e:  # noqa: BLE001 - reported to LMQL's caller by generate/score
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -141,6 +141,11 @@ class LMQModel:
     @property
     def backend(self):
         return self._serving().backend
+
+    @property
+    def calls(self):
+        """The `LMQLCalls` serving this model (raises the load failure, if any)."""
+        return self._serving()
 
     @property
     def mask_chunk(self) -> int:
@@ -163,7 +168,7 @@ class LMQModel:
 
     def _serving(self):
         if self.failure is not None:
-            from .errors import LMQBackendError
+            from ..errors import LMQBackendError
 
             raise LMQBackendError(self.failure)
         return self._calls

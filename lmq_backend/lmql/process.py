@@ -3,9 +3,15 @@
 LMQL's own subprocess client starts a process per distinct set of `lmql.model(...)` arguments (each
 loading the model again) and waits forever if that process fails. Here, every handle of a SPEC talks to
 one process (`python -m lmq_backend.lmql.process SPEC`, a fresh interpreter: nothing is forked from a
-process that may hold threads), which keeps one LMQL `TokenSession` per argument set, so handles whose
-backend arguments agree share one backend and its trie. A reader thread delivers the process's messages
-to each stream's event loop; when the process ends, every open and later call raises.
+process that may hold threads), which keeps one `Session` per argument set, so handles whose backend
+arguments agree share one backend and its trie. A reader thread delivers the process's messages to each
+stream's event loop; when the process ends, every open and later call raises.
+
+The model process answers LMQL's LMTP commands (GENERATE, SCORE, MODEL_INFO) itself, as LMQL's `TokenSession`
+would, but without LMQL's scheduler: that one runs a batch at a time on a worker thread (calls arriving
+meanwhile wait for the whole batch) and polls its output queue every 10 ms. Each call is a task on the
+process's event loop (`LMQLCalls.stream_generate` / `stream_score`) whose tokens are sent as they are picked;
+concurrent calls batch in lmq's scheduler.
 
 Only SPECs a fresh process can load are served here ("default", "hf:<dir>", a folder); a name registered
 with `lmq.register_backend` in this interpreter stays with LMQL's forked process, which inherits it.
@@ -195,42 +201,88 @@ class ProcessHandle:
 
 # ----- the model process ------------------------------------------------------------------------------
 
-async def _serve(spec: str, inbox: Connection, outbox: Connection) -> None:
-    from lmql.models.lmtp.lmtp_scheduler import TokenSession
+class Session:
+    """One argument set of `lmql.model(...)` in the model process: its `LMQModel`s (one per model identifier,
+    made on first use as LMQL's `LMTPModel.load` would), answering LMTP commands with `send(payload)`."""
 
+    def __init__(self, kwargs: dict, send):
+        self.kwargs, self.send = dict(kwargs), send
+        self.models: dict[str, object] = {}
+
+    def model(self, identifier: str):
+        if identifier not in self.models:
+            from .plugin import LMQModel
+
+            self.models[identifier] = LMQModel(identifier, **self.kwargs)   # (a failure: raised by `calls`)
+        return self.models[identifier]
+
+    async def handle(self, cmd: str, payload: dict) -> None:
+        stream_id = payload.get("stream_id")
+
+        def emit(token: dict) -> None:
+            self.send({**token, "stream_id": stream_id})
+
+        try:
+            model = self.model(payload["model"])
+            if cmd == "GENERATE":
+                kwargs = {k: v for k, v in payload.items() if k not in ("model", "stream_id", "prompt", "logit_bias")}
+                await model.calls.stream_generate(payload["prompt"], payload.get("logit_bias"), kwargs, emit)
+            elif cmd == "SCORE":
+                await model.calls.stream_score(payload["prompt"], payload["scored"], emit)
+            elif cmd == "MODEL_INFO":
+                self.send({"stream_id": stream_id, "model_info": model.model_info()})
+            else:
+                raise ValueError(f"unknown LMTP command {cmd!r}")
+        except Exception as e:  # noqa: BLE001 - the caller's stream gets it
+            self.send({"stream_id": stream_id, "error": f"{type(e).__name__}: {e}"})
+
+
+async def _serve(spec: str, inbox: Connection, outbox: Connection) -> None:
     from . import plugin  # noqa: F401 - registers LMQModel
 
     send_lock = threading.Lock()
 
-    class Transport:
-        async def send(self, kind, payload):
-            with send_lock:
-                outbox.send((kind, payload))
+    def send(payload: dict) -> None:
+        with send_lock:
+            outbox.send(("TOKEN", payload))
 
-    sessions: dict[bytes, TokenSession] = {}
+    sessions: dict[bytes, Session] = {}
+    tasks: set[asyncio.Task] = set()
     loop = asyncio.get_running_loop()
-    while True:
-        try:
-            message = await loop.run_in_executor(None, inbox.recv)
-        except (EOFError, OSError):
-            return  # the parent is gone
+    closed = loop.create_future()
+
+    def take(message) -> None:  # (on the loop) a call starts at once: calls sent together batch together
         if message[0] == "SESSION":
             _, key, kwargs = message
             if not sessions:
                 threading.Thread(target=_preload, args=(spec, dict(kwargs)), daemon=True).start()
-            sessions[key] = TokenSession(Transport(), kwargs)
+            sessions[key] = Session(kwargs, send)
         else:
             key, cmd, payload = message
-            await sessions[key].handle(cmd, payload)
+            task = asyncio.ensure_future(sessions[key].handle(cmd, payload))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    def read() -> None:  # (a thread) every message reaches the loop as soon as it arrives, not one per step
+        while True:
+            try:
+                message = inbox.recv()
+            except (EOFError, OSError):
+                break
+            loop.call_soon_threadsafe(take, message)
+        loop.call_soon_threadsafe(lambda: closed.done() or closed.set_result(None))
+
+    threading.Thread(target=read, name="lmq-model-process-inbox", daemon=True).start()
+    await closed  # the parent is gone
 
 
 def _preload(spec: str, kwargs: dict) -> None:
     """Load the first handle's backend while LMQL's client still loads its tokenizer (LMQL loads models on
     the first call); failures are left to LMQModel, which reports them to the caller."""
-    from .plugin import _backend, backend_arguments
+    from .plugin import backend_arguments, backend_for
 
     try:
-        _backend(spec, **backend_arguments(kwargs))
+        backend_for(spec, **backend_arguments(kwargs))
     except Exception:  # noqa: BLE001
         pass
 

@@ -1,7 +1,7 @@
 """LMQL's tokenizer for `lmq:SPEC` models, read with the `tokenizers` library alone.
 
 LMQL's own Hugging Face tokenizer (`lmql.runtime.tokenizers.hf_tokenizer.TransformersTokenizer`) loads the
-folder with transformers' `AutoTokenizer`, which imports transformers and torch in LMQL's process: ~4 CPU s
+folder with transformers' `AutoTokenizer`, which imports transformers and torch in LMQL's process: seconds
 of the plugin's first call, for a tokenizer that the model process loads again. `LMQTokenizer` has its
 interface and gives the same answers for folders whose tokenizer transformers itself runs as the plain
 `tokenizers` backend (`"tokenizer_class": "TokenizersBackend"` in tokenizer_config.json, as lmq's converted
@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 CLASSES = ("TokenizersBackend",)  # transformers runs these as `tokenizers.Tokenizer` with nothing added
+RECENT = 8  # texts whose ids a tokenizer keeps: LMQL tokenizes each prompt twice (as ids, and as token bytes)
 
 
 def for_folder(folder: str, **kwargs) -> "LMQTokenizer | None":
@@ -67,6 +68,18 @@ class LMQTokenizer:
         self._bpe = type(self.tokenizer.model).__name__ == "BPE"
         self._bos = self._id(config.get("bos_token"))
         self._eos = self._id(config.get("eos_token"))
+        self._recent: dict[tuple[str, bool], list[int]] = {}
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of `text`, from the last RECENT texts' where it is one of them."""
+        key = (text, bool(add_special_tokens))
+        ids = self._recent.get(key)
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            if len(self._recent) >= RECENT:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = ids
+        return list(ids)
 
     def _id(self, value) -> int | None:
         text = _token(value)
@@ -84,6 +97,7 @@ class LMQTokenizer:
         self.clean_up_tokenization_spaces = state["clean_up"]
         self._bpe = type(self.tokenizer.model).__name__ == "BPE"
         self._bos, self._eos = state["bos"], state["eos"]
+        self._recent = {}
 
     # ----- what LMQL calls ------------------------------------------------------------------------------
 
@@ -109,7 +123,7 @@ class LMQTokenizer:
         return [int(t.decode("utf-8")) for t in tokens]
 
     def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+        return {"input_ids": self._ids(text, add_special_tokens)}
 
     def get_vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)

@@ -11,6 +11,11 @@ stop once no live beam can beat the finished ones.
   choices (a next token or ending the value), the `n` best of all proposals stay live, beams may be at
   different holes. A beam whose program ends is finished; the `n` best finished beams are kept. n=1 is
   greedy decoding (`argmax`).
+- `beam_sample(n, temperature)`: `beam(n)` where each live beam proposes the distinct choices among `n`
+  draws from its distribution at `temperature` (LMQL's: each beam repeated n times, one token sampled each,
+  duplicates merged); the `n` best proposals by score stay live. A draw is over the tokens that extend the
+  value and, where it may end, ending it (weighed as its most likely ending token, as scores weigh it);
+  `seed` makes the draws repeat.
 - `beam_var(n)`: beams pooled by variable: all beams fill their next hole together, and a beam that
   ended its value waits for the others, so that values compete only with values of the same variable.
   Once the hole's search is decided (`n` values that no live beam can beat), the `n` best go on.
@@ -30,12 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend.protocol import Backend, NextTokens, Sequence
 from ..errors import LMQLengthError, LMQRuntimeError
 from ..language import ast
+from ..language.codegen import Program
 from .constraints import HoleConstraint, HoleState
 from .decoders import DecoderSpec, Greedy
 from .interpreter import Result, Run
@@ -49,8 +56,9 @@ class Filled:
     text: str
 
 
-class _AtHole(Exception):
-    """A replay reached the first hole it has no value for."""
+class _AtHole(BaseException):
+    """A replay reached the first hole it has no value for (a BaseException: the query's own `try` does not
+    catch it)."""
 
 
 @dataclass
@@ -61,13 +69,13 @@ class _Replay(Run):
     consumed: int = 0
     stopped: tuple[Sequence, HoleConstraint] | None = None
 
-    async def _fill(self, hole: ast.Hole, constraint: HoleConstraint) -> str:
+    async def _fill(self, seq: Sequence, hole: ast.Hole, constraint: HoleConstraint) -> str:
         if self.consumed < len(self.values):
             value = self.values[self.consumed]
             self.consumed += 1
-            self.backend.append(self.seq, list(value.ids), value.text)
+            self.backend.append(seq, list(value.ids), value.text)
             return value.text
-        self.stopped = (self.backend.fork(self.seq), constraint)
+        self.stopped = (self.backend.fork(seq), constraint)
         raise _AtHole()
 
 
@@ -98,15 +106,16 @@ class _Value:
 class BeamSearch:
     """One call of a query under a beam decoder: `await BeamSearch(...).run()` -> results, best first."""
 
-    def __init__(self, query: ast.QueryAST, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
-        self.query, self.backend, self.env, self.spec, self.template = query, backend, env, spec, template
+    def __init__(self, program: Program, backend: Backend, env: dict[str, Any], spec: DecoderSpec, template: str):
+        self.program, self.backend, self.env, self.spec, self.template = program, backend, env, spec, template
         self.held: set[_Beam] = set()  # beams holding a sequence (a cached prefix) on the backend
         self.error: Exception | None = None
+        self.random = random.Random(spec.seed)  # beam_sample's draws
 
     async def run(self) -> list[Result]:
         try:
             start = await self._replay(_Value((), 0.0))
-            if self.spec.name == "beam":
+            if self.spec.name in ("beam", "beam_sample"):
                 done = await self._beam([start] if isinstance(start, _Beam) else [], self._keep([], start))
             elif self.spec.name == "best_k":
                 done = await self._best_k(start)
@@ -237,9 +246,11 @@ class BeamSearch:
     # ----- steps ---------------------------------------------------------------------------------------
 
     async def _propose(self, live: list[_Beam], k: int) -> list[tuple[float, _Beam, int | str]]:
-        """Each beam's `k` best choices, all beams' together, best first: a token id, or the value's text
-        (end the value here)."""
-        choices = await asyncio.gather(*(self._next(beam, k) for beam in live))
+        """Each beam's `k` best choices (beam_sample: the distinct ones of `k` draws), all beams' together,
+        best first: a token id, or the value's text (end the value here)."""
+        sampled = self.spec.name == "beam_sample"
+        asked = self.backend.vocab.size if sampled else k  # a draw needs every token's probability
+        choices = await asyncio.gather(*(self._next(beam, asked) for beam in live))
         proposals = []
         for order, (beam, nt) in enumerate(zip(live, choices)):
             if nt is None:
@@ -248,9 +259,23 @@ class BeamSearch:
             if nt.end is not None:
                 mine.append((beam.score + nt.end, order, -1, beam.state.text))
             mine.sort(key=lambda c: (-c[0], c[2]))
-            proposals += mine[:k]
+            proposals += self._draws(mine, k) if sampled else mine[:k]
         proposals.sort(key=lambda c: (-c[0], c[1], c[2]))
         return [(score, live[order], choice) for score, order, _, choice in proposals]
+
+    def _draws(self, choices: list[tuple], n: int) -> list[tuple]:
+        """The distinct choices among `n` draws from `choices` (best first, scored as the beam's score plus their
+        log-probability) at the decoder's temperature (0: the best one)."""
+        t = self.spec.temperature
+        if t == 0 or len(choices) == 1:
+            return choices[:1]
+        top = choices[0][0]
+        # drawn in the order of the token ids (ending first), not of the scores: tokens of equal or nearly equal
+        # probability come in another order from another batch's shapes, and a draw must not depend on it
+        canonical = sorted(choices, key=lambda c: -1 if isinstance(c[3], str) else c[3])
+        weights = [math.exp((c[0] - top) / t) for c in canonical]
+        picked = {id(c): c for c in self.random.choices(canonical, weights, k=n)}
+        return sorted(picked.values(), key=lambda c: (-c[0], c[2]))
 
     async def _next(self, beam: _Beam, k: int) -> NextTokens | None:
         try:
@@ -291,7 +316,7 @@ class BeamSearch:
     async def _replay(self, value: _Value) -> _Beam | Result | None:
         """Run the program with the value's holes filled, to its next hole (a beam) or its end (a result);
         None if its prompt outgrows max_len (that beam ends there, the others go on)."""
-        run = _Replay(query=self.query, backend=self.backend, env=dict(self.env), sampler=Greedy(),
+        run = _Replay(program=self.program, backend=self.backend, env=dict(self.env), sampler=Greedy(),
                       template=self.template, max_len=self.spec.max_len, values=value.values)
         try:
             result = await run.execute()

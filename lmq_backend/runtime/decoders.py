@@ -6,8 +6,8 @@ its batch (the samplers themselves are the engine's: `engine.picks`). Both take 
 `repetition_penalty`, `frequency_penalty`, `presence_penalty` (`engine.picks.Knobs` defines them; a result's
 sampler counts its own call's tokens). The beam decoders `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)`
 choose among each beam's best tokens by the sum of their log-probabilities over the whole query, and return
-the n best results; `best_k(k=4, budget=30, ...)` is LMQL's best-first search (runtime/beam.py says exactly
-how).
+the n best results; `beam_sample(n=4, temperature=1.0, seed=None)` among n tokens each beam samples;
+`best_k(k=4, budget=30, ...)` is LMQL's best-first search (runtime/beam.py says exactly how).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..language.checks import DECODER_ARGS, check_knobs
 
 __all__ = ["DEFAULT_MAX_LEN", "Sampler", "Greedy", "Sampling", "Knobs", "BestK", "DecoderSpec"]
 
-BEAM_DECODERS = ("beam", "beam_var", "var", "best_k")
+BEAM_DECODERS = ("beam", "beam_sample", "beam_var", "var", "best_k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,14 @@ class DecoderSpec:
         """Check a decoder clause's arguments (the parser has checked their names)."""
         if name not in ("argmax", "sample", *BEAM_DECODERS):
             raise LMQNotSupportedError(f"decoder {name!r} is not supported: use argmax, sample(...), "
-                                       f"beam(n), beam_var(n), var(b, n) or best_k(k, budget)")
+                                       f"beam(n), beam_sample(n, temperature), beam_var(n), var(b, n) or "
+                                       f"best_k(k, budget)")
         unknown = sorted(set(args) - DECODER_ARGS[name])
         if unknown:
             raise LMQCompileError(f"decoder {name}: unknown argument(s) {', '.join(unknown)}; "
                                   f"allowed: {', '.join(sorted(DECODER_ARGS[name]))}")
         check_knobs(name, args)
-        if name in ("beam", "beam_var", "var") and "n" not in args:
+        if name in ("beam", "beam_sample", "beam_var", "var") and "n" not in args:
             args = {**args, "n": args.get("b", 2) if name == "var" else 4}  # LMQL's defaults
         if name == "best_k":
             args = {"max_len": args.get("max_len", DEFAULT_MAX_LEN),

@@ -6,19 +6,24 @@ from __future__ import annotations
 import ast as pyast
 import asyncio
 import builtins
+import contextlib
 import inspect
 import textwrap
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from ..backend.protocol import Backend
 from ..backend.registry import get_backend
-from ..errors import LMQCompileError, LMQInputError
+from ..errors import LMQCompileError, LMQInputError, LMQUnknownVariableError
 from ..language import ast, check_query, free_names, parse_query
+from ..language.checks import BUILTIN_NAMES, bound_names, walk_stmts
+from ..language.codegen import compile_program
 from .constraints import NOT_LITERAL, check_constraint
 from .decoders import DecoderSpec
 from .beam import BeamSearch
-from .interpreter import Run
+from .interpreter import Run, call_parts, is_query
+from .stream import Emit, StreamEvent
+from .typed import hole_type
 
 _LITERAL_CALLS = {"set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "sorted": sorted}
 
@@ -41,15 +46,9 @@ def evaluate_literal(expr: ast.PyExpr) -> Any:
 
 
 def _constraints(stmts: Iterable[ast.Stmt]):
-    for stmt in stmts:
+    for stmt in walk_stmts(tuple(stmts)):
         if isinstance(stmt, ast.Prompt) and stmt.where is not None:
             yield stmt.where
-        elif isinstance(stmt, ast.If):
-            for _, body in stmt.branches:
-                yield from _constraints(body)
-            yield from _constraints(stmt.orelse)
-        elif isinstance(stmt, ast.For):
-            yield from _constraints(stmt.body)
 
 
 class Query:
@@ -60,10 +59,11 @@ class Query:
                  scope: dict[str, Any] | None = None, signature: inspect.Signature | None = None):
         self.source = source
         self.ast = parse_query(source)
-        self.scope = dict(scope or {})
+        self.scope = scope if scope is not None else {}  # live: a global defined or changed later is seen
         self.signature = signature
         self.inputs = set(inputs) if inputs is not None else None
-        check_query(self.ast, self.inputs, set(self.scope))
+        # a decorated query may name itself (a nested query that recurses)
+        check_query(self.ast, self.inputs, set(self.scope) | ({name} if signature is not None else set()))
         for c in [*_constraints(self.ast.body), *([self.ast.where] if self.ast.where else [])]:
             check_constraint(c, evaluate_literal)
         self.decoder = (DecoderSpec.parse(decoder) if decoder is not None
@@ -73,24 +73,45 @@ class Query:
         self.name = name or first[:60]
         self._needs = free_names(self.ast) - set(dir(builtins))
         self._returns = _has_return(self.ast.body)
+        self.program = compile_program(self.ast, self.name)
+        self._check_types()
+
+    def _check_types(self) -> None:
+        """A hole's type that names globals alone (`[X: int]`, `[P: Person]`) is checked now, before any call."""
+        bound = set(self.inputs or ()) | bound_names(self.ast)
+        scope = None
+        for stmt in walk_stmts(self.ast.body):
+            for piece in getattr(stmt, "pieces", ()):
+                if not isinstance(piece, ast.Hole) or piece.type is None or call_parts(piece.type) is not None:
+                    continue
+                names = piece.type.names
+                if names & bound or not names <= (self.scope.keys() | BUILTIN_NAMES):
+                    continue
+                scope = scope if scope is not None else dict(self.scope)
+                try:
+                    value = eval(piece.type.code, scope)  # noqa: S307 - the query's own type expression
+                except Exception:  # noqa: BLE001 - reported when the query runs
+                    continue
+                if not is_query(value):
+                    hole_type(value, piece)
 
     @property
     def backend(self) -> Backend:
         return self.model if isinstance(self.model, Backend) else get_backend(self.model)
 
-    async def run(self, inputs: dict[str, Any], backend: Backend | None = None):
-        """Run once with `inputs`; returns a Result, the query's return value, or a list of them for n > 1."""
-        missing = sorted(self._needs - inputs.keys() - self.scope.keys())
-        if missing:
-            raise LMQInputError(f"query {self.name!r} needs input(s) {', '.join(missing)}")
+    async def run(self, inputs: dict[str, Any], backend: Backend | None = None, stream: Emit | None = None):
+        """Run once with `inputs`; returns a Result, the query's return value, or a list of them for n > 1.
+        `stream`: called with each StreamEvent of the call but the last (`Query.stream`)."""
+        self._check_inputs(inputs, "query")
         backend = backend or self.backend
         started = time.perf_counter()
         if self.decoder.beam:  # n results, best first, whatever n is (LMQL returns a list for beams)
-            results = await BeamSearch(self.ast, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
+            results = await BeamSearch(self.program, backend, {**self.scope, **inputs}, self.decoder, self.name).run()
             backend.record_call(self.name, time.perf_counter() - started)
             return [r.value if self._returns else r for r in results]
-        runs = [Run(query=self.ast, backend=backend, env={**self.scope, **inputs},
-                    sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len)
+        runs = [Run(program=self.program, backend=backend, env={**self.scope, **inputs},
+                    sampler=self.decoder.sampler(i), template=self.name, max_len=self.decoder.max_len,
+                    stream=stream, index=i)
                 for i in range(self.decoder.n)]
         # one run: awaited in this task (a task of its own per call costs more than the call's bookkeeping)
         results = [await runs[0].execute()] if len(runs) == 1 else await asyncio.gather(*(r.execute() for r in runs))
@@ -98,8 +119,51 @@ class Query:
         out = [r.value if self._returns else r for r in results]
         return out[0] if self.decoder.n == 1 else out
 
+    def _check_inputs(self, inputs: dict[str, Any], what: str) -> None:
+        missing = sorted(self._needs - inputs.keys() - self.scope.keys())
+        if not missing:
+            return
+        for stmt in walk_stmts(self.ast.body):
+            for piece in getattr(stmt, "pieces", ()):
+                if isinstance(piece, ast.Hole) and piece.type is not None and piece.type.names & set(missing):
+                    name = sorted(piece.type.names & set(missing))[0]
+                    raise LMQUnknownVariableError(
+                        f"unknown type {name!r} of hole [{piece.name}: {piece.type.source}] at line "
+                        f"{piece.type.span.line}, column {piece.type.span.column}: it is not an input or a global")
+        raise LMQInputError(f"{what} {self.name!r} needs input(s) {', '.join(missing)}")
+
+    @property
+    def returns(self) -> bool:
+        """Whether the query returns a value (nested, its prompt is then hidden once it has run)."""
+        return self._returns
+
+    def nested(self, parent: Run, args: tuple, kwargs: dict) -> Run:
+        """A run of this query nested in `parent` (a hole `[X: this_query(args)]`): with the parent's backend,
+        sampler and max_len; the parent gives it its sequence and transcript (`Run._nest`)."""
+        inputs = self._bind(args, kwargs)
+        self._check_inputs(inputs, "nested query")
+        return Run(program=self.program, backend=parent.backend, env={**self.scope, **inputs}, sampler=parent.sampler,
+                   template=self.name, max_len=parent.max_len)
+
     async def __call__(self, *args, **kwargs):
         return await self.run(self._bind(args, kwargs))
+
+    async def stream(self, *args, **kwargs) -> AsyncIterator[StreamEvent]:
+        """Run once, yielding StreamEvents as the prompt is written and its holes' tokens are decided, then a
+        last event (`done`) with the result (runtime/stream.py). Closing or cancelling the iterator cancels
+        the call (its cached prefixes are released)."""
+        events: asyncio.Queue = asyncio.Queue()
+        call = asyncio.ensure_future(self.run(self._bind(args, kwargs), stream=events.put_nowait))
+        call.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+            yield StreamEvent(done=True, result=call.result())
+        finally:
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await call
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         if self.signature is None:
@@ -145,14 +209,7 @@ class Query:
 
 
 def _has_return(stmts) -> bool:
-    for s in stmts:
-        if isinstance(s, ast.Return):
-            return True
-        if isinstance(s, ast.If) and (any(_has_return(b) for _, b in s.branches) or _has_return(s.orelse)):
-            return True
-        if isinstance(s, ast.For) and _has_return(s.body):
-            return True
-    return False
+    return any(isinstance(s, ast.Return) for s in walk_stmts(tuple(stmts)))
 
 
 def _run_sync(coro):
@@ -168,7 +225,7 @@ def compile(source: str, *, name: str | None = None, model: str | Backend | None
             inputs: Iterable[str] | None = None) -> Query:
     """Parse and check a query once. The caller's module globals are visible to the query."""
     caller = inspect.currentframe().f_back
-    return Query(source, name=name, model=model, inputs=inputs, scope=dict(caller.f_globals) if caller else {})
+    return Query(source, name=name, model=model, inputs=inputs, scope=caller.f_globals if caller else {})
 
 
 def query(fn: Callable | None = None, *, model: str | Backend | None = None, decoder: str | None = None):

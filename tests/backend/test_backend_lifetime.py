@@ -2,7 +2,7 @@
 half the device's free memory by default; the process's first backend is frozen out of the collector's sight, so
 a cycle through it would hold that memory for good): the backend itself is in no reference cycle, and dropping it
 closes it (`HFBackend.close`), whatever cycles asyncio's cancelled tasks leave through the scheduler (Python 3.12
-leaves one). A closed backend refuses queries with a clear error. On the GPU (skipped without CUDA) the device
+leaves one). A closed backend refuses queries with a clear error. On the GPU (`gpu`, skipped without CUDA) the device
 memory comes back."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import lmq_backend as lmq
 from support.tiny import tiny_llama
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 SOURCE = '"Say:[X]" where len(TOKENS(X)) < 5\n"and[Y]" where Y in [" yes", " no"]'

@@ -16,7 +16,7 @@ import lmq_backend as lmq
 from support.models import special_ids
 
 TIE = 0.25  # bf16 logits of these models are O(10); one bf16 ulp at 8-16 is 0.0625
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NEW = 10
 PROMPTS = [f"Input: {w} and {v} again {w}\nOutput:" for w, v in
            [("alpha", "river"), ("stone", "cloud"), ("seven", "green"), ("table", "quiet"), ("north", "apple"),

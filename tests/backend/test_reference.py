@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from support.caches import node_slots
 from support.models import (FAMILIES, LLAMA_FAMILY, SCRIPT, Script, differences, expected, generate, run_engine,
                             standard_calls, token_log_probs)
+from support.skip_policy import kernels_expected
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -27,14 +28,17 @@ async def test_greedy_tokens_and_distribution_equal_the_reference(zoo, monkeypat
     call repeated): the token ids lmq ran on equal the reference's, the distribution within 1e-4. Alone the
     CPU kernels are the calibration's choice (LMQ_CPU_KERNELS=auto); batched they are forced on, and a
     Llama-family decode step must have run lmq's C attention over several rows."""
+    from lmq_backend.engine.fused import cpu_step
     from lmq_kernels import cpu
 
     kernel_rows: list[int] = []
-    if batched:
-        monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
-        attention = cpu.attention
+    if batched:  # the rows of each decode step whose attention lmq's C kernels ran: per op, or inside the
+        monkeypatch.setenv("LMQ_CPU_KERNELS", "1")  # one-call C step (a shared model's classes seen before)
+        attention, layers = cpu.attention, cpu_step.decode_layers
         monkeypatch.setattr(cpu, "attention",
                             lambda q, *a, **k: attention(q, *a, **k) and not kernel_rows.append(len(q)))
+        monkeypatch.setattr(cpu_step, "decode_layers",
+                            lambda plan, x, *a: layers(plan, x, *a) and not kernel_rows.append(len(x)))
     backend = zoo.backend(family, cache_budget)
     steps = []
     backend.on_step(steps.append)
@@ -44,7 +48,7 @@ async def test_greedy_tokens_and_distribution_equal_the_reference(zoo, monkeypat
     assert (backend.stats().tokens_reused > 0) == bool(cache_budget)
     decode_rows = max(s.batch_size for s in steps if s.kind == "decode")
     assert decode_rows > 1 if batched else decode_rows == 1
-    if batched and family in LLAMA_FAMILY and cpu.available():
+    if batched and family in LLAMA_FAMILY and kernels_expected():
         assert max(kernel_rows, default=0) > 1, "lmq's C attention never ran inside a decode step"
 
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from lmq_backend.cache.trie import PrefixTrie, TrieNode
-from support.caches import path_ids
 
 TOK = 96  # bytes per token
 
@@ -25,13 +24,13 @@ def cat_path(trie: PrefixTrie, node: TrieNode) -> np.ndarray:
 def assert_prefix(trie: PrefixTrie, node: TrieNode, ids) -> None:
     ids = tuple(ids)
     assert node.depth == len(ids)
-    assert path_ids(trie, node) == ids
+    assert trie.path_ids(node) == ids
     assert np.array_equal(cat_path(trie, node), enc(ids))
 
 
 def ins(trie, parent, ids, label=""):
     start = parent.depth
-    full_prefix = path_ids(trie, parent)
+    full_prefix = trie.path_ids(parent)
     assert len(full_prefix) == start
     return trie.insert(parent, ids, enc(ids, start), label=label)
 

@@ -15,7 +15,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lmq_backend.cache.trie import PrefixTrie, TrieNode
 
 from test_trie import TOK, cat_path, enc
-from support.caches import path_ids
 
 
 class Harness:
@@ -42,7 +41,7 @@ class Harness:
         node, n = t.match(ids, limit)
         end = len(ids) if limit is None else min(limit, len(ids))
         assert node.depth == n <= end
-        assert path_ids(t, node) == tuple(ids[:n])
+        assert t.path_ids(node) == tuple(ids[:n])
         assert np.array_equal(cat_path(t, node), enc(ids[:n]))
         if n < end:
             assert ids[n] not in node.children, "match was not the longest"
@@ -66,7 +65,7 @@ class Harness:
         node = t.insert(parent, rest, enc(rest, n), label="x")
         if node is not None:
             assert node.depth == len(ids)
-            assert path_ids(t, node) == ids
+            assert t.path_ids(node) == ids
             assert np.array_equal(cat_path(t, node), enc(ids))
             if self.rng.random() < 0.5:
                 t.pin(node)
@@ -95,7 +94,7 @@ class Harness:
         t.pin(parent)
         node = t.insert(parent, rest, enc(rest, n))
         if node is not None:
-            assert path_ids(t, node) == full
+            assert t.path_ids(node) == full
             assert np.array_equal(cat_path(t, node), enc(full))
         t.unpin(parent)
 
@@ -118,7 +117,7 @@ class Harness:
         assert t.bytes_in_use <= t.budget_bytes
         for node, ids in self.pins:
             assert node is t.root or (node.parent is not None and node.slots is not None), "pinned node evicted"
-            assert path_ids(t, node) == ids
+            assert t.path_ids(node) == ids
             assert np.array_equal(cat_path(t, node), enc(ids))
 
     def finish(self):

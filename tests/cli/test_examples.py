@@ -88,7 +88,7 @@ def test_chat_answers_in_the_chat_format(capsys, default_backend):
     assert set(variables) == {"ANSWER"} and "Paris" in answer and n_tokens(default_backend, answer) <= 47
     assert "<|im_end|>" not in answer  # the end-of-turn token ends the hole
     assert prompt == ("<|im_start|>system\nYou are a helpful assistant. Answer in one sentence.<|im_end|>\n"
-                      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n" + answer)
+                      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n")
 
 
 def test_chat_multi_turn_answers_each_question(capsys, default_backend):
@@ -101,6 +101,41 @@ def test_chat_multi_turn_answers_each_question(capsys, default_backend):
     answers = list(m.groups())
     assert all(a.strip() and n_tokens(default_backend, a) <= 39 for a in answers)
     assert variables == {"ANSWER": answers[-1]}  # the hole of the loop keeps its last value
+
+
+def test_chat_multi_turn_prefills_as_the_hand_written_template():
+    """The example with roles against the same chat in SmolLM2's markup by hand, each on a fresh backend of the
+    default model: the same prompt, and per turn the same tokens prefilled (each turn only its own text; the
+    history comes from the prefix cache)."""
+    import lmq_backend as lmq
+
+    by_hand = '''
+argmax
+    "<|im_start|>system\\nYou are a helpful assistant. Answer briefly.<|im_end|>\\n"
+    for question in questions:
+        "<|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n"
+        "[ANSWER]" where len(TOKENS(ANSWER)) < 40
+        "<|im_end|>\\n"
+'''
+    questions = ["Hi! Who are you?", "What can you do?", "What is 2 + 2?", "Thanks!", "Name a colour.", "Bye!"]
+    runs = []
+    for source in ((EXAMPLES / "chat_multi_turn.lmq").read_text(), by_hand):
+        backend = lmq.HFBackend("default")
+        prefilled = []
+        generate = backend.generate
+
+        async def counting(seq, state, sampler, backend=backend, generate=generate, prefilled=prefilled):
+            before = backend.stats().tokens_prefilled
+            value = await generate(seq, state, sampler)
+            prefilled.append(backend.stats().tokens_prefilled - before)
+            return value
+
+        backend.generate = counting
+        runs.append((lmq.Query(source, model=backend).run_sync(questions=questions).prompt, prefilled))
+        backend.close()
+    (prompt, prefilled), hand = runs
+    assert (prompt, prefilled) == hand and len(prefilled) == 6
+    assert all(n < 40 for n in prefilled[1:])  # a turn's own text, never the history again
 
 
 def test_packing_list_returns_its_items(capsys, default_backend):
@@ -140,3 +175,56 @@ def test_distribution_prints_the_model_probabilities(capsys, default_backend, re
     total = sum(math.exp(s - top) for s in scores.values())
     for option, s in scores.items():
         assert distribution[option] == pytest.approx(math.exp(s - top) / total, abs=2e-4), option
+
+
+def test_typed_returns_python_values(capsys, default_backend):
+    out = lmq_run(capsys, "typed.lmq").strip()
+    assert out.startswith("(") and "City(name=" in out
+    legs, in_france, day, city = _returned(out)
+    assert legs == 8 and in_france is True  # the model knows
+    assert re.fullmatch(r"[0-9]{2}/[0-9]{2}", day)
+    assert city == {"name": "Paris", "country": "France"}
+
+
+def _returned(out: str):
+    """The printed tuple of typed.lmq, with its dataclass as a dict."""
+    legs, rest = out[1:].split(", ", 1)
+    in_france, rest = rest.split(", ", 1)
+    day, rest = rest.split(", ", 1)
+    fields = dict(re.findall(r"(\w+)='([^']*)'", rest))
+    return int(legs), in_france == "True", ast.literal_eval(day), fields
+
+
+def test_nested_hides_the_inner_prompt(capsys, default_backend):
+    prompt, variables, _ = parse(lmq_run(capsys, "nested.lmq"))
+    assert "Paris" in variables["FRANCE"] and "Answer in a few words" not in prompt
+    assert prompt == (f"The capital of France: {variables['FRANCE']}\n"
+                      f"The capital of Italy: {variables['ITALY']}\n")
+
+
+def test_tools_awaits_its_lookup(capsys, default_backend):
+    prompt, variables, _ = parse(lmq_run(capsys, "tools.lmq"))
+    city = variables["CITY"]
+    assert city in (" Paris", " Rome", " Berlin")
+    assert f"City:{city}\nFact: {city.strip()} is the capital of " in prompt
+    assert prompt.count("\nQ: ") == 2 and prompt.endswith(variables["ANSWER"] + "\n")
+
+
+def test_chat_tutor_scores_the_topic_then_answers(capsys, default_backend):
+    question = "What is 7 times 8?"
+    prompt, variables, distribution = parse(lmq_run(capsys, "chat_tutor.lmq", "--var", f"question={question}"))
+    assert set(distribution) == {" maths", " geography", " history"} and abs(sum(distribution.values()) - 1) < 2e-4
+    assert variables["TOPIC"] == max(distribution, key=distribution.get) == " maths"
+    assert prompt == ("<|im_start|>system\nYou are a helpful tutor. Answer in one sentence.<|im_end|>\n"
+                      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+                      f"Topic:{variables['TOPIC']}\n{variables['ANSWER']}<|im_end|>\n")
+
+
+def test_chat_streams_as_it_goes(capsys, default_backend):
+    question = "What is the capital of France?"
+    out = lmq_run(capsys, "chat.lmq", "--var", f"question={question}", "--stream")
+    shown, _, variables = out.partition("\n---\n")
+    answer = ast.literal_eval(variables.strip().removeprefix("ANSWER = "))
+    assert "Paris" in answer
+    assert shown == (f"\nsystem: You are a helpful assistant. Answer in one sentence.\nuser: {question}\n"
+                     f"assistant: {answer}")

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 
 import lmq_backend as lmq  # noqa: E402
 from lmq_backend.distributed import Cluster, serve  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from lmq_backend.engine import compat
 from lmq_backend.engine.attention import grouped_attention
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def reference(q, k, v, allowed):
@@ -38,8 +38,9 @@ def test_matches_masked_softmax_on_pool_views(device):
     assert torch.equal(got[2, 0], torch.zeros_like(got[2, 0]))
 
 
-@pytest.mark.parametrize("device,dtype", [(d, torch.float32) for d in DEVICES]
-                         + ([("cuda", torch.bfloat16)] if "cuda" in DEVICES else []))
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
+                                          *(pytest.param("cuda", t, marks=pytest.mark.gpu) for t in (torch.float32,
+                                                                                                  torch.bfloat16))])
 def test_no_mask_is_causal_to_the_last_column(device, dtype):
     torch.manual_seed(1)
     q, k, v = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((2, 4, 3, 16), (2, 2, 10, 16),

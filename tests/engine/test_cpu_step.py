@@ -12,10 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from lmq_backend.engine.fused import cpu_step
 from lmq_backend.engine.quantize import quantize_model
 from lmq_kernels import cpu
+from lmq_kernels.cpu import library
 from lmq_kernels.cpu.calibration import Calibration
-from support.cpu_targets import TARGETS
-from test_fused_decode import assert_same_forwards, prefill_then_steps
 from support.caches import paged_view
+from support.cpu_targets import TARGETS
+from support.fused import assert_same_forwards, prefill_then_steps
+
+pytestmark = pytest.mark.cpu_kernels
 
 
 def model_of(arch: str, seed: int = 0):
@@ -59,13 +62,13 @@ def per_op(monkeypatch, model, **kw):
         return prefill_then_steps(model, **kw)
 
 
-@pytest.mark.parametrize("panels", [True, False], ids=["panel-major", "k-major"])
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "int8", "int4"])
+@pytest.mark.parametrize("arch,panels", [pytest.param(a, True, id=f"{a}-panel-major")
+                                         for a in ("llama", "qwen2", "qwen3", "int8", "int4")]
+                         + [pytest.param(a, False, id=f"{a}-k-major")  # (quantized weights have no panels)
+                            for a in ("llama", "qwen2", "qwen3")])
 def test_fused_layers_give_the_per_op_steps_bits(arch, target, panels, monkeypatch, count_fused):
     if not panels:  # float32 weights read K-major (a model whose panel copies would not fit the memory bound)
-        if arch in ("int8", "int4"):
-            pytest.skip("quantized weights have no panels")
         monkeypatch.setattr(cpu_step, "PANELS_MAX_MEMORY", 0)
     from lmq_kernels.cpu import step as c_step
 
@@ -84,7 +87,7 @@ def test_fused_layers_give_the_per_op_steps_bits(arch, target, panels, monkeypat
 
 @pytest.mark.parametrize("arch", ["llama", "int4"])
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(arch, monkeypatch, count_fused):
-    from test_fused_decode import make_pool
+    from support.fused import make_pool
     from lmq_backend.engine.fused import FusedDecoder
 
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
@@ -107,7 +110,7 @@ def test_the_calibration_measures_both_paths_and_keeps_the_steps_result(monkeypa
     model = model_of("llama", seed=5)
     monkeypatch.delenv("LMQ_CPU_KERNELS", raising=False)
     assert cpu.available()
-    monkeypatch.setattr(cpu, "_calibration", Calibration(None, "test"))   # nothing chosen yet, nothing kept
+    monkeypatch.setattr(library, "_calibration", Calibration(None, "test"))   # nothing chosen yet, nothing kept
     calibrated = prefill_then_steps(model, steps=3, seed=6)
     chosen = {name: entry for name, entry in cpu.choices().items() if name.startswith("decode_layers/")}
     assert len(chosen) == 1 and all(e["lmq_us"] > 0 and e["torch_us"] > 0 for e in chosen.values()), chosen
@@ -120,7 +123,7 @@ def test_the_calibration_measures_both_paths_and_keeps_the_steps_result(monkeypa
 
 def test_declines_what_it_does_not_take(monkeypatch):
     """Head dims the C attention is not built for, more rows than the GEMMs take, LMQ_CPU_KERNELS=0."""
-    from test_fused_decode import tiny_llama
+    from support.fused import tiny_llama
 
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
     calls, run = [], cpu_step.CpuLayers.run

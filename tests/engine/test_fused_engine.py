@@ -1,6 +1,6 @@
 """The engine's fused decode path gives the same greedy tokens as the model's own forward (float32), alone and
-batched: eager over the growable pool on the CPU, CUDA-graph captured on a GPU (skipped without CUDA; CI has
-none, run it on the GPU machine)."""
+batched: eager over the growable pool on the CPU, CUDA-graph captured on a GPU (`gpu` tests, skipped without CUDA;
+CI has none: `pytest -m gpu` on the GPU machine)."""
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +43,7 @@ def ahead_and_plain(model, tokenizer):
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 async def test_fused_decode_matches_the_model_forward(tokenizer, device):
     model = llama(device, 512, 4, 8) if device == "cuda" else llama(device, 128, 2, 4)
     fused = lmq.HFBackend.from_model(model, tokenizer, name="fused")
@@ -74,7 +74,7 @@ RUN_AHEAD = '''
 '''
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 async def test_run_ahead_steps_change_no_token(tokenizer):
     """On a GPU, greedy steps without a constraint mask run the next step ahead on the device's own pick;
     the host takes it only when its own pick and the batch agree. Concurrent queries that join, stop
@@ -95,7 +95,7 @@ async def test_run_ahead_steps_change_no_token(tokenizer):
     assert plain.runner._decoder[0].ran_ahead == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 async def test_rows_that_leave_while_a_step_runs_ahead_change_no_token(tokenizer, monkeypatch):
     """40 holes of 3-22 tokens (fewer where one stops) at once: rows leave at many steps, and stay in the
     batch (fed any token) while the device runs a step ahead; the tokens are those without running ahead,
@@ -117,7 +117,7 @@ GREEDY = '"Tell me about {x}:[A]" where len(TOKENS(A)) < 14'
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokenizer, device):
     """Seeded sampling rows and greedy rows (which run steps ahead on the device while they are alone) in
     one batch, float32: every query gets the values it gets alone; the steps sampled their rows together.
@@ -142,7 +142,7 @@ async def test_sampled_rows_beside_greedy_rows_draw_what_they_draw_alone(tokeniz
     assert max(s.batch_size for s in steps if s.kind == "decode") > 8
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
     """On a GPU, a step samples its rows on the device too (under the device's masks, without a nucleus)
     and runs the next step ahead on those samples, at each row's next uniform. Against a backend whose
@@ -164,7 +164,7 @@ async def test_sampled_steps_run_ahead_and_sample_as_the_host_does(tokenizer):
     assert decoder.took_ahead > 0 and decoder.took_ahead >= decoder.ran_ahead // 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 async def test_steps_run_ahead_pick_within_characters_under_the_masks_the_host_moves_to(tokenizer, monkeypatch):
     """Sampled REGEX values (checked picks): a row's mask changes where a token begins or ends a UTF-8
     character; the device moves it as the host does (`Proposals.after`), so a step run ahead samples under
@@ -207,7 +207,7 @@ def compiled_variants() -> dict[str, int]:
     return {fn.__name__: len(fn.device_caches[device][0]) for fn in jitted}  # (triton 3.x: kernel cache first)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 async def test_new_prompt_lengths_and_batch_sizes_compile_no_kernel_again(tokenizer):
     """Triton compiles a kernel again (seconds, a stall of every query) when an int argument or a pointer's
     16-byte alignment changes: prompts of every length and prefills of 1-6 rows use the kernels the first

@@ -6,7 +6,7 @@ left-padded new parts of different lengths, at a slot offset; last-token logits 
 match, and nothing outside the rows' new columns may be written. The engine gives the same query results
 with the fused prefill on and off.
 
-GPU (skipped without CUDA; run with TRITON_INTERPRET=0): bf16 logits against HF, and a 2,050-token prompt
+GPU (`gpu` tests, skipped without CUDA): bf16 logits against HF, and a 2,050-token prompt
 on a Llama-3.2-1B-shaped float32 model gives HF `generate`'s greedy tokens through the whole engine.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from test_fused_decode import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2, tiny_qwen3
+from support.fused import llama_1b_shaped, make_pool, tiny_llama, tiny_qwen2, tiny_qwen3
 from support.hole_states import Record
 
 import lmq_backend as lmq
@@ -24,7 +24,6 @@ from lmq_backend.engine import compat
 from lmq_backend.engine.fused import FusedDecoder
 from support.caches import paged_view
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @torch.inference_mode()
@@ -137,7 +136,7 @@ async def test_engine_same_results_with_the_fused_prefill(tokenizer):
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_bf16_prefill_close_to_hf():
     """bf16 fused prefill vs bf16 HF, both against HF's float32 forward: within 1.5x HF bf16's own error
     (+ 0.01) on the logits."""
@@ -157,14 +156,14 @@ def test_cuda_bf16_prefill_close_to_hf():
     assert max(errs_f) <= 1.5 * max(errs_hf) + 0.01
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_fp32_prefill_matches_hf():
     model = llama_1b_shaped(layers=4, dtype=torch.float32)
     run_prefill(model, [(_ids(300, 21), 120), (_ids(181, 22), 0), (_ids(250, 23), 249)], capacity=512,
                 atol=2e-3, kv_atol=2e-3)
 
 
-@cuda_only
+@pytest.mark.gpu
 async def test_cuda_long_prompt_greedy_identical_to_generate(tokenizer):
     """A 2,050-token prompt and 32 greedy tokens through the engine (fused prefill after a trie hit, captured
     decode steps) on a Llama-3.2-1B-shaped float32 model: HF `generate`'s tokens."""

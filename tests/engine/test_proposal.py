@@ -13,7 +13,6 @@ import torch
 
 import lmq_backend as lmq
 from support.constraint_sim import call, compiled
-from lmq_backend.backend.hole_loop import HoleLoop
 from lmq_backend.backend.masks import Proposals
 from lmq_backend.runtime.constraints.hole import HoleState
 from lmq_backend.text.token_bytes import utf8_continues

@@ -16,14 +16,14 @@ from support.models import SCRIPT, build, differences, run_engine, standard_call
 KINDS = ("int8", "int4")
 
 
-@pytest.fixture(params=["lmq", "torch"])
+@pytest.fixture(params=[pytest.param("lmq", marks=pytest.mark.cpu_kernels), "torch"])
 def kernels(request, monkeypatch):
     """Both ways a QuantizedLinear multiplies, the two extremes of the calibration: lmq's C kernel wherever it
     takes the operands (LMQ_CPU_KERNELS=1, up to 16 rows a call), or (LMQ_CPU_KERNELS=0, as without a C
     compiler) the weight de-quantized for the call and torch's GEMM."""
     monkeypatch.setenv("LMQ_CPU_KERNELS", "0" if request.param == "torch" else "1")
-    if request.param == "lmq" and not cpu.available():
-        pytest.skip(f"no CPU kernels here: {cpu.build_error()}")
+    if request.param == "lmq":
+        assert cpu.available(), cpu.build_error()
     return request.param
 
 

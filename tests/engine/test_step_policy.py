@@ -2,16 +2,20 @@
 a step (`admission.join_delay`): a prefill stalls every running row, so one query arriving alone waits for
 others to come with it (until a few recent prefill steps' durations after the last), a group of them joins at
 once. Rows that left stay in the batch while the device runs a step ahead (moving them would discard it). The
-results are those of the queries alone either way."""
+results are those of the queries alone either way.
+
+Time is the scheduler's clock made to count steps (`StepClock`): each decode step takes TICK seconds and
+nothing else does, so the waits are counted in steps, whatever the load on the machine."""
 from __future__ import annotations
 
 import asyncio
-import time
+import types
 
 import pytest
 
 import lmq_backend as lmq
 from lmq_backend.engine import admission
+from lmq_backend.engine import scheduler as scheduler_module
 from lmq_backend.engine.admission import JOIN_SHARE, PATIENCE
 from lmq_backend.engine.fused import bucket_for
 from support.caches import node_slots
@@ -31,31 +35,52 @@ def test_join_delay():
     assert admission.join_delay(1, seats=64, running=100, prefill_seconds=0.5, since_prefill=9.0) == 0
 
 
-async def run_late(backend, late: int, patience_seconds: float) -> tuple[list[dict], list[tuple]]:
-    """2 * JOIN_SHARE busy queries decode; then `late` queries arrive at once. Returns the late ones' variables
-    and the steps from their arrival on, as (kind, time)."""
+TICK = 2.0 ** -8  # seconds a decode step takes on the StepClock (a power of two: sums of ticks are exact)
+
+
+class StepClock:
+    """The scheduler's `time.perf_counter`, advanced by TICK whenever the backend's runner runs a decode step."""
+
+    def __init__(self, monkeypatch, backend):
+        self.now = 0.0
+        monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
+        decode = backend.runner.decode
+
+        def timed(*args, **kwargs):
+            self.now += TICK
+            return decode(*args, **kwargs)
+        monkeypatch.setattr(backend.runner, "decode", timed)
+
+
+async def run_late(backend, clock: StepClock, late: int, patience_ticks: int) -> tuple[list[dict], list[tuple]]:
+    """2 * JOIN_SHARE busy queries decode; then `late` queries arrive at once, PATIENCE recent prefill steps'
+    durations being `patience_ticks` decode steps. Returns the late ones' variables and the steps from their
+    arrival on, as (kind, ticks since the arrival)."""
     steps: list[tuple] = []
-    backend.on_step(lambda s: steps.append((s.kind, time.perf_counter(), s.batch_size)))
+    backend.on_step(lambda s: steps.append((s.kind, clock.now, s.batch_size)))
     busy = [asyncio.ensure_future(lmq.Query(BUSY, model=backend).run({})) for _ in range(2 * JOIN_SHARE)]
     while not steps or steps[-1][::2] != ("decode", len(busy)):  # every busy row decodes
         await asyncio.sleep(0)
-    backend.scheduler._prefill_seconds = patience_seconds / PATIENCE
-    arrived, steps[:] = time.perf_counter(), []
+    backend.scheduler._prefill_seconds = patience_ticks * TICK / PATIENCE
+    arrived, steps[:] = clock.now, []
     backend.scheduler._prefilled = arrived  # (as if a prefill step had just ended)
     results = await asyncio.gather(*(lmq.Query(LATE, model=backend).run({"i": i}) for i in range(late)))
     await asyncio.gather(*busy)
-    return [r.variables for r in results], [(k, t - arrived) for k, t, _ in steps]
+    return [r.variables for r in results], [(k, (t - arrived) / TICK) for k, t, _ in steps]
 
 
-async def test_a_query_arriving_alone_waits_for_others_and_a_group_joins_at_once(make_backend):
+async def test_a_query_arriving_alone_waits_for_others_and_a_group_joins_at_once(make_backend, monkeypatch):
     backend = make_backend("llama", cache_budget=0)
     alone = [(await lmq.Query(LATE, model=backend).run({"i": i})).variables for i in range(2)]
-    values, steps = await run_late(backend, 1, 0.02)
+    clock = StepClock(monkeypatch, backend)
+    values, steps = await run_late(backend, clock, 1, patience_ticks=5)
     assert values == alone[:1]
     first = next(i for i, (k, _) in enumerate(steps) if k == "prefill")
-    assert first >= 3 and steps[first][1] >= 0.02  # the rows decoded meanwhile, for the patience,
-    assert len(steps) - first > 8                   # and it joined them (they had not ended)
-    values, steps = await run_late(backend, 2, 60.0)  # 2 rows join 2 * JOIN_SHARE: not worth waiting for
+    assert steps[first][1] == 5       # the rows decoded 5 steps meanwhile (the patience), not one more,
+    assert first in (5, 6)            # (a step under way at the arrival is reported after it)
+    assert len(steps) - first > 8     # and it joined them (they had not ended)
+    values, steps = await run_late(backend, clock, 2, patience_ticks=10 ** 6)  # 2 rows join 2 * JOIN_SHARE: not
+    # worth waiting for
     assert values == alone
     assert [k for k, _ in steps[:2]].count("prefill") == 1  # (a step may have been under way)
     assert backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting

@@ -68,7 +68,7 @@ def test_caret_message_format():
         parse_query('argmax\n    "Q: [ANSWER"\n')
     text = str(info.value)
     assert text.splitlines() == [
-        "'[' must start a hole [NAME] (write '[[' for a literal '[') (line 2, column 9)",
+        "'[' must start a hole [NAME] or [NAME: type] (write '[[' for a literal '[') (line 2, column 9)",
         '        "Q: [ANSWER"',
         "            ^",
     ]
@@ -112,15 +112,15 @@ def test_negated_empty_choice_is_fine():
 
 
 @pytest.mark.parametrize("decoder", ["beam(n=3)", "beam_var(n=2, max_len=64)", "var(b=2, n=3)", "beam",
-                                     "best_k(k=2, budget=10)"])
+                                     "best_k(k=2, budget=10)", "beam_sample(n=3, temperature=0.7, seed=1)"])
 def test_beam_decoders_parse(decoder):
     parse_and_check(f'{decoder}\n    "a[X]"')
 
 
-def test_beam_sample_not_supported():
+def test_an_unknown_decoder_lists_the_known_ones():
     with pytest.raises(LMQNotSupportedError) as info:
-        parse_and_check('beam_sample(n=3)\n    "a[X]"')
-    assert "unknown decoder 'beam_sample'" in str(info.value) and "beam_var" in str(info.value)
+        parse_and_check('beam_search(n=3)\n    "a[X]"')
+    assert "unknown decoder 'beam_search'" in str(info.value) and "beam_sample" in str(info.value)
 
 
 @pytest.mark.parametrize("decoder", ["sample(foo=1)", "argmax(n=2)", "argmax(temperature=0.5)", "greedy",
@@ -148,9 +148,9 @@ def test_a_decoding_knob_out_of_range(decoder, message):
 
 
 def test_distribution_errors():
-    with pytest.raises(LMQCompileError) as info:
-        parse_and_check('"a[X][Y]"\ndistribution X in ["a"]')
-    assert "last hole" in str(info.value)
+    parse_and_check('"a[X][Y]"\ndistribution X in ["a"]')  # any hole, not only the last
+    with pytest.raises(LMQUnknownVariableError, match="not a hole of its prompt string"):
+        parse_and_check('"a[X]"\n"b[Y]" distribution X in ["a"]')
     with pytest.raises(LMQUnknownVariableError):
         parse_and_check('"a[X]"\ndistribution Z in ["a"]')
     with pytest.raises(LMQCompileError):

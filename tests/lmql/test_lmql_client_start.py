@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("lmql")
+import lmql  # noqa: F401
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-lmql = pytest.importorskip("lmql")
+import lmql
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-lmql = pytest.importorskip("lmql")
+import lmql
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402
@@ -288,3 +288,79 @@ def test_the_model_string_alone_is_enough():
     off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                          env={**env, "LMQ_LMQL_HOOK": "0"})
     assert off.returncode != 0 and "TokenizerNotAvailableError" in off.stderr
+
+
+# ----- the model process: LMTP calls served without LMQL's scheduler --------------------------------------
+
+def test_the_model_process_streams_the_payloads_lmqls_scheduler_would(backend):
+    """`stream_generate` / `stream_score` (what lmq's model process runs per LMTP call) send the token payloads
+    LMQL's own scheduler sends for a batch of that one call (`TokenStreamer` / `ScoreStreamer` over
+    `generate` / `score`): the same tokens, top tokens and finish reasons, and log-probabilities up to the
+    rounding of a prefill that found the prompt in the trie (the second of the two runs)."""
+
+    def same_but_rounding(mine: list[dict], theirs: list[dict]) -> None:
+        assert [{**p, "logprob": 0, "top_logprobs": list(p["top_logprobs"])} for p in mine] == \
+            [{**p, "logprob": 0, "top_logprobs": list(p["top_logprobs"])} for p in theirs], (bias, kwargs)
+        for a, b in zip(mine, theirs):
+            assert np.isclose(a["logprob"], b["logprob"], atol=1e-4)
+            assert np.allclose(list(a["top_logprobs"].values()), list(b["top_logprobs"].values()), atol=1e-4)
+
+    from queue import Queue
+
+    from lmql.models.lmtp.lmtp_scheduler import GenerateBatch, GenerateCall, ScoreStreamer, TokenStreamer
+
+    from lmq_backend.lmql.calls import LMQLCalls, run
+
+    calls = LMQLCalls(backend)
+    tok = backend.vocab.tokenizer
+    prompt = tok("Review: Great food and friendly staff.\nSentiment:").input_ids
+    choice = {t: 100.0 for o in OPTIONS for t in tok(o).input_ids[:1]}
+    cases = [(choice, {"max_tokens": 1}), ({}, {"max_tokens": 5, "top_logprobs": 3}),
+             (None, {"max_tokens": 3}), ({tok(" 4").input_ids[0]: 100.0, calls.eos_token_id: 100.0}, {})]
+    for bias, kwargs in cases:
+        out: Queue = Queue()
+        batch = GenerateBatch.from_calls([GenerateCall(prompt, bias, kwargs, 7, out)])
+        args = batch.generate_args()
+        args["input_ids"] = np.array(args["input_ids"], dtype=np.int64)
+        args["attention_mask"] = np.array(args["attention_mask"], dtype=np.int32)
+        streamer = TokenStreamer(batch, calls.eos_token_id)
+        result = calls.generate(**args, streamer=streamer)
+        streamer.log_token(result.sequences, result.scores, last=True)
+        theirs = [out.get()[1] for _ in range(out.qsize())]
+        mine = []
+        run(calls.stream_generate(prompt, bias, kwargs, lambda p: mine.append({**p, "stream_id": 7})))
+        same_but_rounding(mine, theirs)
+        assert mine[-1]["finish_reason"] is not None and all(p["finish_reason"] is None for p in mine[:-1])
+
+    scored = tok(" positive and kind").input_ids
+    for head in (prompt, []):
+        out = Queue()
+        call = GenerateCall(head + scored, {}, {"score": True, "scoring_offset": len(head)}, 9, out)
+        batch = GenerateBatch.from_calls([call])
+        ScoreStreamer().log_token(batch, calls.score(np.array(batch.input_ids), np.array(batch.attention_mask)))
+        theirs = [out.get()[1] for _ in range(out.qsize())]
+        mine = []
+        run(calls.stream_score(head, scored, lambda p: mine.append({**p, "stream_id": 9})))
+        assert [p["token"] for p in mine] == [p["token"] for p in theirs] == scored
+        assert np.allclose([p["logprob"] for p in mine], [p["logprob"] for p in theirs], atol=1e-5)
+        assert [p["finish_reason"] for p in mine] == [p["finish_reason"] for p in theirs]
+
+
+async def test_the_model_process_answers_as_in_process(tiny_folder):  # noqa: F811
+    """LMQL's default `local:` mode (lmq's model process, its calls as tasks of its own) answers what the
+    in-process mode (LMQL's scheduler over `LMQModel`) answers: generated holes, a choice, a distribution
+    (scored), one call at a time and calls at once."""
+    sub = lmql.model(f"local:lmq:hf:{tiny_folder}")
+    inproc = lmq_lmql.model(f"hf:{tiny_folder}", async_transport=True)
+    assert await answers(sub, REVIEWS) == await answers(inproc, REVIEWS)
+    q = lmql.query(GENERATE, model=sub)
+    assert await asyncio.gather(*(q(review=r) for r in REVIEWS)) == await answers(inproc, REVIEWS)
+    dist = '''argmax
+    "Review: {review}\\nScore:[N]\\nSentiment:[CLS]"
+where len(TOKENS(N)) < 3
+distribution CLS in [" good", " bad", " fine"]'''
+    for review in REVIEWS[:2]:
+        a, b = [await lmql.run(dist, model=m, review=review) for m in (sub, inproc)]
+        assert a.variables["CLS"] == b.variables["CLS"] and a.variables["N"] == b.variables["N"]
+        assert np.allclose([p for _, p in a.variables["log P(CLS)"]], [p for _, p in b.variables["log P(CLS)"]],
+                           atol=1e-4)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-pytest.importorskip("lmql")
+import lmql  # noqa: F401
 
 from lmql.runtime.tokenizer import LMQLTokenizer  # noqa: E402
 from lmql.runtime.tokenizers.hf_tokenizer import TransformersTokenizer  # noqa: E402

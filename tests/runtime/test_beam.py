@@ -86,6 +86,8 @@ def test_score_under_a_mask_is_the_models_log_probability(make_backend):
 BEAM_QUERIES = [
     ('beam(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('beam_var(n=3)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
+    ('beam_sample(n=3, temperature=1.5, seed=3)',
+     '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 5\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('best_k(k=2, budget=8, gamma=0)', '"Q: {x}\\nA:[A]" where len(TOKENS(A)) < 4\n    "\\nB:[B]" where len(TOKENS(B)) < 3'),
     ('var(b=2, n=3)', '"Q: {x}\\nA:[A]" where STOPS_AT(A, "a") and len(TOKENS(A)) < 5\n    "\\nB:[B]" where INT(B) and len(TOKENS(B)) < 3'),
 ]

@@ -4,12 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmq_backend.cache.trie import PrefixTrie, TrieNode
-
-
-def path_ids(trie: PrefixTrie, node: TrieNode) -> tuple[int, ...]:
-    """The token ids from the root to the end of node."""
-    return tuple(t for n in trie.path(node) for t in n.ids)
+from lmq_backend.cache.trie import PrefixTrie
 
 
 def node_slots(trie: PrefixTrie) -> list[np.ndarray]:

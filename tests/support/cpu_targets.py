@@ -7,7 +7,7 @@ import platform
 import pytest
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import cpu_flags
+from lmq_kernels.cpu.toolchain import cpu_flags
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 FLAGS = set(cpu_flags().split())

@@ -2,17 +2,23 @@
 calls a layer (`FusedDecoder._layers`), where measurement says it is the faster on this machine.
 
     decoder.cpu_layers.run(decoder, bp, ...) -> bool     True: the layers ran in C; False: run the per-op loop
+    step_class(bp, kind, hidden, inter, layers) -> tuple   the calibration's class of a step of bp rows
 
 Why: the per-op loop makes hundreds of calls from Python a step; each costs Python, ctypes and an OpenMP
 fork/join, more once the GEMMs' weights have evicted the interpreter from the caches: a large share of a small
-model's step at one row. The C side runs
-the same kernels' arithmetic (each row's bits as with lmq's per-op kernels), in one parallel region.
+model's step at one row. The C side runs the same kernels' arithmetic (each row's bits as with lmq's per-op
+kernels), in one parallel region.
 
 The choice: `cpu.choose("decode_layers", (threads, row bucket, weight kind, model shape), bench)`, measured
 once per machine and class (cached with the other kernels' choices) on the step at hand: the bench restores
 the residual stream before each run of either path, and both write the same K/V to the same column. Under
 LMQ_CPU_KERNELS=1 it always runs, under 0 never (torch everywhere). The first step of a class in a process
 runs the per-op loop: the per-op kernels' own first-use calibrations are not measured inside this one.
+
+The panel-major copies of the weights are made once per model (and weights load), not per decoder: a growable
+CPU pool rebuilds its decoder whenever its page table grows, as a batch larger than any before arrives.
+cpu_warm_up.py measures both kinds of classes when the model is laid out, so that its queries' calls take
+measured choices.
 """
 from __future__ import annotations
 
@@ -25,9 +31,9 @@ from lmq_kernels import cpu
 from lmq_kernels.cpu.step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers, panel_major
 
 from ..quantize import QuantizedLinear
-from .weights import loads
+from .weights import decoder_weights, loads
 
-__all__ = ["CpuLayers", "plan_for"]
+__all__ = ["CpuLayers", "plan_for", "step_class", "weights_kind", "panels_fit", "head_panels_fit"]
 
 
 PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most this share of the machine's memory
@@ -40,13 +46,13 @@ def _weight(w, panels: bool) -> Weight:
     return Weight(n, k, w_t=w.t(), panel=panels)
 
 
-def _panels_fit(decoder) -> bool:
-    """Whether panel-major copies of the float32 weights (the layers' `Weight`s, the LM head: `head_panels`) fit
-    PANELS_MAX_MEMORY of the machine's memory (a copy of every float32 weight), and lmq's kernels, which read
-    them, run here."""
+def panels_fit(laid_out) -> bool:
+    """Whether panel-major copies of the float32 weights of `laid_out` (a model's `decoder_weights`: the layers'
+    `Weight`s, the LM head: `head_panels`) fit PANELS_MAX_MEMORY of the machine's memory (a copy of every
+    float32 weight), and lmq's kernels, which read them, run here."""
     if not cpu.available():
         return False
-    weights = [w for lw in decoder.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [decoder.lm_head]
+    weights = [w for lw in laid_out.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [laid_out.lm_head]
     size = sum(w.numel() * w.element_size() for w in weights if isinstance(w, torch.Tensor))
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -55,39 +61,54 @@ def _panels_fit(decoder) -> bool:
     return size <= PANELS_MAX_MEMORY * memory
 
 
+def head_panels_fit(laid_out) -> bool:
+    """Whether the LM head of `laid_out` gets a panel-major copy (a float32 K-major head, `panels_fit`)."""
+    w = laid_out.lm_head
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and panels_fit(laid_out)
+
+
+def _since_load(owner, name: str, make):
+    """`owner`'s `name`, made by `make()` at first use and again after each load (`weights.loads()`): what
+    holds copies of the weights (panel-major) is stale after one."""
+    made, value = owner.__dict__.get(name, (-1, None))
+    if made != loads():
+        value = make()
+        setattr(owner, name, (loads(), value))
+    return value
+
+
+def _layer_weights(laid_out) -> list[tuple[Weight, Weight, Weight, Weight]]:
+    """Per layer, (qkv, o, gate/up, down) as the C step's `Weight`s, with panel-major copies where they fit: made
+    once per model (and load)."""
+    def make():
+        panels = panels_fit(laid_out)
+        return [tuple(_weight(w, panels) for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)) for lw in laid_out.layers]
+    return _since_load(laid_out, "_cpu_weights", make)
+
+
 class CpuLayers:
     """A fused decoder's CPU step in one C call (see the module docstring), and the panel-major weight copies
     lmq's C kernels read: made at first use, and again after each load of the weights (`weights.loads()`: a
-    copy is stale after one). The decoder holds one and passes itself to each call."""
+    copy is stale after one), once per model. The decoder holds one (its plan, over the decoder's K/V) and passes
+    itself to each call."""
 
-    def __init__(self):
-        self._made: dict[str, tuple[int, object]] = {}  # name -> (the load it was made after, it)
-        self._seen: set[tuple] = set()  # the shape classes this process has stepped
-
-    def _since_load(self, name: str, make):
-        made, value = self._made.get(name, (-1, None))
-        if made != loads():
-            value = make()
-            self._made[name] = (loads(), value)
-        return value
+    def _plan(self, decoder) -> LayerPlan | None:
+        return _since_load(self, "_cpu_plan", lambda: plan_for(decoder))
 
     def head_panels(self, decoder) -> torch.Tensor | None:
         """The LM head's panel-major copy for the small-M GEMM (`cpu.small_m_mm(panels=)`), where the copies fit
-        (`_panels_fit`); else (and on a GPU) None (K-major)."""
+        (`panels_fit`); else (and on a GPU) None (K-major). One per model, whatever decoder asks."""
         if decoder.triton:
             return None
-
-        def make():
-            w = decoder.lm_head
-            ok = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.stride(0) == 1 and _panels_fit(decoder)
-            return panel_major(w.t()) if ok else None
-        return self._since_load("head", make)
+        laid_out = decoder_weights(decoder.model)
+        return _since_load(laid_out, "_head_panels",
+                           lambda: panel_major(laid_out.lm_head.t()) if head_panels_fit(laid_out) else None)
 
     def layer_panels(self, decoder) -> list[tuple]:
         """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads, for the small-M
         GEMMs of the per-op step and the prefill (`cpu.small_m_mm(panels=)`: the same bits as the K-major
         weights, streamed faster); None where a weight has none (no plan, no copies, a GPU)."""
-        plan = None if decoder.triton else self._since_load("plan", lambda: plan_for(decoder))
+        plan = None if decoder.triton else self._plan(decoder)
         if plan is None:
             return [(None,) * 4] * len(decoder.layers)
         return [(ly.qkv.panels, ly.o.panels, ly.gu.panels, ly.down.panels) for ly in plan.layers]
@@ -100,13 +121,14 @@ class CpuLayers:
         against."""
         if decoder.triton or bp > MAX_ROWS or not cpu.available():
             return False
-        plan = self._since_load("plan", lambda: plan_for(decoder))
+        plan = self._plan(decoder)
         if plan is None:
             return False
-        threads = torch.get_num_threads()
-        shape_class = (threads, cpu._up(bp), _kind(decoder), plan.hidden, plan.inter, len(plan.layers))
-        if shape_class not in self._seen:   # this process's first step of the class: the per-op loop (see the top)
-            self._seen.add(shape_class)
+        # the shape classes this process has stepped, per model (a rebuilt decoder's first steps are not firsts)
+        seen = decoder_weights(decoder.model).__dict__.setdefault("_cpu_plan_seen", set())
+        shape_class = step_class(bp, weights_kind(decoder), plan.hidden, plan.inter, len(plan.layers))
+        if shape_class not in seen:   # this process's first step of the class: the per-op loop (see the top)
+            seen.add(shape_class)
             return False
         x = decoder.x[:bp]
 
@@ -130,9 +152,8 @@ class CpuLayers:
 
 def plan_for(decoder) -> LayerPlan | None:
     """The decoder's layers as a `LayerPlan` (None where step.c cannot take them)."""
-    panels = _panels_fit(decoder)
-    layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, *(_weight(w, panels) for w in (lw.wqkv, lw.wo, lw.wgu,
-                                                                                   lw.wdown)),
+    weights = _layer_weights(decoder_weights(decoder.model))
+    layers = [Layer(lw.in_norm, lw.post_norm, lw.eps, *weights[l],
                     decoder.k_cache[l], decoder.v_cache[l], lw.scaling, bqkv=lw.bqkv,
                     q_norm=lw.q_norm, k_norm=lw.k_norm, qk_eps=lw.qk_eps)
               for l, lw in enumerate(decoder.layers)]
@@ -143,6 +164,12 @@ def plan_for(decoder) -> LayerPlan | None:
     return plan if plan.ok else None
 
 
-def _kind(decoder) -> str:
-    w = decoder.layers[0].wgu
+def weights_kind(laid_out) -> str:
+    """"f32", or the kind of the layers' weight-only quantized weights ("int8", "int4")."""
+    w = laid_out.layers[0].wgu
     return w.kind if isinstance(w, QuantizedLinear) else "f32"
+
+
+def step_class(bp: int, kind: str, hidden: int, inter: int, layers: int) -> tuple:
+    """The calibration's class of a step of `bp` rows: threads, row bucket, weight kind, the model's shape."""
+    return (torch.get_num_threads(), cpu.size_class(bp), kind, hidden, inter, layers)

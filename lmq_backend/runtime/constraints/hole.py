@@ -76,6 +76,11 @@ class HoleState:
     def text(self) -> str:
         return self.ctx.value.decode("utf-8", errors="replace")
 
+    @property
+    def stopped(self) -> Stop | None:
+        """The stop rule that fired (the value is its `text`), None while none has."""
+        return self._stopped
+
     def allowed(self) -> np.ndarray | None:
         if self._allowed is False:
             limit = self.hc.max_tokens

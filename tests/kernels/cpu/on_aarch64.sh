@@ -15,7 +15,7 @@
 # CPU-only AArch64 wheel on PyPI) and the compiled packages it imports (numpy, tokenizers, ...); the others
 # are linked from the virtual environment that runs this script (python3 on the PATH).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 ROOT=${LMQ_AARCH64_DIR:-$HOME/.cache/lmq/aarch64}
 SYSROOT=$ROOT/sysroot SITE=$ROOT/site STUB=$ROOT/stub
 mkdir -p "$ROOT"

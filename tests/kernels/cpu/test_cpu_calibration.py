@@ -8,18 +8,14 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import time
 
 import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
+from lmq_kernels.cpu import library
 from lmq_kernels.cpu.calibration import Calibration
-
-needs_kernels = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
-                                   reason="no C compiler / not Linux: the engine runs torch's ops")
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +43,9 @@ def test_keeps_the_faster_and_caches_it(tmp_path):
     path = tmp_path / "cal.json"
     cal = Calibration(path, key="k1")
     calls = []
-    assert cal.choose("op", (2, 8), bench(0.0002, 0.002, calls))          # lmq 10x faster: lmq
-    assert not cal.choose("op", (2, 16), bench(0.002, 0.0002, calls))     # torch 10x faster: torch
-    assert not cal.choose("op", (2, 32), bench(0.001, 0.001, calls))      # a tie: torch (the margin)
+    assert cal.choose("op", (2, 8), bench(0.0002, 0.002, calls), measure=True)        # lmq 10x faster: lmq
+    assert not cal.choose("op", (2, 16), bench(0.002, 0.0002, calls), measure=True)   # torch 10x faster: torch
+    assert not cal.choose("op", (2, 32), bench(0.001, 0.001, calls), measure=True)    # a tie: torch (the margin)
     assert len(calls) == 3
     assert cal.choose("op", (2, 8), bench(1, 1, calls)) and len(calls) == 3   # cached: not measured again
     data = json.loads(path.read_text())
@@ -104,16 +100,41 @@ def test_the_file_is_keyed_like_the_library(tmp_path):
     assert not Calibration(path, key="k2").choose("op", (1,), bench(0.002, 0.0002, calls)) and calls
 
 
-def test_a_choice_made_on_a_busy_machine_is_measured_again(tmp_path):
-    """An entry whose timings never settled (`stable` false) serves its process only."""
+def test_a_choice_made_on_a_busy_machine_is_used_and_measured_again_by_a_quiet_warm_up(tmp_path, monkeypatch):
+    """An entry whose timings never settled (`stable` false) serves later processes as it is; a warm-up
+    (`measure`) measures it again, once the machine is quiet, and keeps the settled result."""
     path = tmp_path / "cal.json"
     data = {"version": 1, "key": "k", "torch": torch.__version__,
             "choices": {"op/1": {"use": "lmq", "lmq_us": 10.0, "torch_us": 90.0, "rounds": 9, "stable": False}}}
     path.write_text(json.dumps(data))
     calls = []
+    assert Calibration(path, "k").choose("op", (1,), bench(0.002, 0.0002, calls)) and calls == []
+    monkeypatch.setattr("lmq_kernels.cpu.calibration._load_average", lambda: 2.0 * (os.cpu_count() or 1) + 1)
+    assert Calibration(path, "k").choose("op", (1,), bench(0.002, 0.0002, calls), measure=True) and calls == []
+    monkeypatch.setattr("lmq_kernels.cpu.calibration._load_average", lambda: 0.0)
     cal = Calibration(path, "k")
-    assert not cal.choose("op", (1,), bench(0.002, 0.0002, calls)) and calls == [1]
+    assert cal.choose("op", (1,), bench(1, 1), measure=False)          # a query's call: the entry, unmeasured
+    assert not cal.choose("op", (1,), bench(0.002, 0.0002, calls), measure=True) and calls == [1]
     assert json.loads(path.read_text())["choices"]["op/1"]["stable"] is True
+    assert not cal.choose("op", (1,), bench(1, 1), measure=True)       # settled: not measured again
+
+
+def test_a_query_takes_the_nearest_measured_classs_choice(tmp_path):
+    """A class first met by a query's call is not measured: it takes the choice of the nearest measured class
+    of its op and thread count (sizes compared on a log scale), held in memory only; an op with no measured
+    class at all is measured (so that there is one); a warm-up measures the class."""
+    path = tmp_path / "cal.json"
+    cal = Calibration(path, "k")
+    calls = []
+    assert cal.choose("op", (2, 8, 64), bench(0.0002, 0.002, calls)) and calls == [1]   # no class yet: measured
+    assert not cal.choose("op", (2, 256, 64), bench(0.002, 0.0002, calls), measure=True) and len(calls) == 2
+    assert cal.choose("op", (2, 16, 64), bench(1, 1, calls))            # 8 is nearer than 256: lmq
+    assert not cal.choose("op", (2, 128, 64), bench(1, 1, calls))       # 256 is nearer: torch
+    assert cal.choose("op", (4, 8, 64), bench(0.0002, 0.002, calls)) and len(calls) == 3   # other threads: measured
+    assert len(calls) == 3 and cal.guesses() == {"op/2/16/64": "op/2/8/64", "op/2/128/64": "op/2/256/64"}
+    assert set(json.loads(path.read_text())["choices"]) == {"op/2/8/64", "op/2/256/64", "op/4/8/64"}
+    assert not cal.choose("op", (2, 16, 64), bench(0.002, 0.0002, calls), measure=True) and len(calls) == 4
+    assert "op/2/16/64" not in cal.guesses() and "op/2/16/64" in json.loads(path.read_text())["choices"]
 
 
 def test_a_choice_made_while_others_kept_every_cpu_busy_is_not_kept(tmp_path, monkeypatch):
@@ -123,7 +144,7 @@ def test_a_choice_made_while_others_kept_every_cpu_busy_is_not_kept(tmp_path, mo
     assert Calibration(path, "k").choose("op", (1,), bench(0.0002, 0.002, calls))
     assert json.loads(path.read_text())["choices"]["op/1"]["stable"] is False
     monkeypatch.setattr("lmq_kernels.cpu.calibration._load_average", lambda: 0.0)
-    assert Calibration(path, "k").choose("op", (1,), bench(0.0002, 0.002, calls)) and len(calls) == 2
+    assert Calibration(path, "k").choose("op", (1,), bench(0.0002, 0.002, calls), measure=True) and len(calls) == 2
 
 
 def test_writes_merge_with_other_processes(tmp_path):
@@ -200,7 +221,7 @@ def calibrated(monkeypatch, tmp_path):
     """cpu's functions calibrated into a fresh file (LMQ_CPU_KERNELS=auto); returns its Calibration."""
     assert cpu.available(), cpu.build_error()
     cal = Calibration(tmp_path / "cal.json", "test")
-    monkeypatch.setattr(cpu, "_calibration", cal)
+    monkeypatch.setattr(library, "_calibration", cal)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "auto")
     return cal
 
@@ -209,7 +230,7 @@ def k_major(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k).t().contiguous().t()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_ops_follow_the_choice(calibrated, monkeypatch):
     """Where torch was measured faster the op declines (out untouched) and the caller runs torch; where lmq
     was, it runs; LMQ_CPU_KERNELS=1 runs it whatever was measured, =0 never."""
@@ -228,7 +249,7 @@ def test_ops_follow_the_choice(calibrated, monkeypatch):
     assert cpu.small_m_mm(x[:2], w.t(), out[:2])
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_every_op_is_calibrated_on_first_use(calibrated):
     """The GEMM, RMSNorm and SiLU-mul measure themselves against torch on their first call of a class (a
     real measurement, each side timed) and give torch's result either way."""
@@ -251,7 +272,7 @@ def test_every_op_is_calibrated_on_first_use(calibrated):
     assert json.loads(calibrated.path.read_text())["choices"] == made
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 def test_the_prefill_attention_class_follows_the_rows_not_the_end_column(calibrated):
     """The pool's end column moves on with every decode step: the same rows further right are the same class
     (one measurement, not one per end column a long-running process reaches)."""
@@ -296,7 +317,7 @@ def head_dim_64_llama():
     return LlamaForCausalLM(config).eval()
 
 
-@needs_kernels
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("model", ["tiny_llama", "head_dim_64"])
 def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch):
     """Whole engine queries (alone and 5 at once) with lmq's kernels forced on (LMQ_CPU_KERNELS=1) and forced
@@ -334,3 +355,59 @@ def test_both_choices_give_the_same_greedy_tokens(model, tokenizer, monkeypatch)
             assert not any(ran.values()), ran
     assert results["1"] == results["0"]
     assert results["1"][0][0] == results["1"][1][0]   # and alone as batched
+
+
+# ------------------------------------------------------------------------------------------------- warm-up
+
+@pytest.mark.cpu_kernels
+def test_a_warm_up_measures_a_models_classes_once(calibrated):
+    """`warm_up` measures the classes of a model shape's decode steps and prefills this machine has not
+    measured; again, nothing. A call of a class between the grid's then takes a neighbour's choice."""
+    shape = cpu.ModelShape(hidden=64, inter=128, hq=2, hkv=1, d=64, vocab=512)
+    made = cpu.warm_up(shape, rows=4)
+    t = torch.get_num_threads()
+    names = set(calibrated.choices())
+    assert made == len(names) > 0
+    assert {f"gemm_panels/{t}/4/64/256", f"rmsnorm/{t}/1024/64", f"attention/{t}/2/2/1/64/2048",
+            f"masked_argmax/{t}/4/512/1", f"prefill_attention/{t}/16/32/2/1/64/2048"} <= names, sorted(names)
+    assert cpu.warm_up(shape, rows=4) == 0
+    out = torch.empty(8, 256)
+    cpu.small_m_mm(torch.randn(8, 64), torch.randn(64, 256), out, panels=torch.randn(4, 64, 64))
+    assert set(calibrated.choices()) == names and f"gemm_panels/{t}/8/64/256" in cpu.guesses()
+
+
+@pytest.mark.cpu_kernels
+def test_a_backend_measures_its_classes_when_made_and_its_queries_none(calibrated, tokenizer):
+    """A CPU backend measures its model's classes when it is made (the per-op kernels' and the C step's);
+    its queries, alone and at once, measure none (each class they meet unmeasured takes a neighbour's
+    choice), and a second backend of the model measures nothing."""
+    import lmq_backend as lmq
+    from lmq_backend.engine.fused.cpu_warm_up import warm_up
+
+    net = head_dim_64_llama()
+    backend = lmq.HFBackend.from_model(net, tokenizer, name="warm-up")
+    made = set(calibrated.choices())
+    assert any(n.startswith("decode_layers/") for n in made) and any(n.startswith("gemm_panels/") for n in made)
+    q = lmq.Query(SRC, model=backend)
+
+    async def run(n):
+        return await asyncio.gather(*(q.run({"x": "word " * i}) for i in range(n)))
+
+    for n in (1, 5, 12):
+        asyncio.run(run(n))
+    assert set(calibrated.choices()) == made
+    assert warm_up(net) == 0
+
+
+@pytest.mark.cpu_kernels
+def test_a_quantized_models_warm_up_measures_its_quantized_gemms(calibrated):
+    """int4 layers and an int8 LM head: the quantized GEMM's classes (up to 16 rows a call; past 64 rows the
+    weight's panels in the float32 GEMM), not the float32 GEMM's of the same rows."""
+    shape = cpu.ModelShape(hidden=64, inter=128, hq=2, hkv=1, d=64, vocab=512, weights="int4", head="int8",
+                           panels=False, head_panels=False)
+    cpu.warm_up(shape, rows=32)
+    t = torch.get_num_threads()
+    names = set(calibrated.choices())
+    assert {f"qgemm_i4/{t}/16/64/256", f"qgemm_i4/{t}/1/64/256", f"qgemm_i8/{t}/16/64/512",
+            f"gemm_panels/{t}/256/64/256"} <= names, sorted(names)
+    assert not any(n.startswith(f"gemm_panels/{t}/32/") or n.startswith(f"gemm/{t}/") for n in names), sorted(names)

@@ -5,8 +5,8 @@ does not depend on the batch around it, nor on the thread count).
 Every kernel test runs on each variant this host can run (`kernels`): the host's own build (-march=native),
 the AVX2+FMA build (x86-64-v3: 8-lane vectors, the blocking for 16 registers) and the portable one (x86-64:
 SSE2, the 4-lane shape NEON also gets), so an AVX-512 CI host tests the AVX2 variant too; the AVX-512 build
-is compiled everywhere. On Linux with a C compiler a build that fails fails the tests (only a host without
-either skips them); the engine's fallback after a failed build is tested at the end."""
+is compiled everywhere. A build that fails fails the tests (`cpu_kernels`: only a host off Linux, or without a C
+compiler under LMQ_ALLOW_NO_COMPILER=1, skips them); the engine's fallback after a failed build is tested at the end."""
 from __future__ import annotations
 
 import logging
@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
-from support.cpu_targets import AVX512, FLAGS, TARGETS, X86, kernels  # noqa: F401 (kernels: a fixture)
+from lmq_kernels.cpu import library
+from support.cpu_targets import TARGETS, X86, kernels  # noqa: F401 (kernels: a fixture)
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
-                                reason="no C compiler / not Linux: the engine runs torch's ops")
+pytestmark = pytest.mark.cpu_kernels
 
 ANY_ROWS = (1, 64)
 
@@ -47,10 +46,11 @@ def test_the_kernels_build_and_load():
     assert cpu.build_error() is None
 
 
-@pytest.mark.skipif(not X86 or AVX512 <= FLAGS, reason="the AVX-512 build runs with the kernel tests here")
-def test_the_avx512_variant_compiles():
-    """The AVX-512 shape (16 lanes, 6 x 4 blocking) compiles on a host that cannot run it."""
-    assert cpu.build("x86-64-v4") is not None, cpu.build_error("x86-64-v4")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"] if X86 else ["native"])
+def test_every_variant_compiles(march):
+    """Every x86 shape (4, 8 and 16 lanes) compiles, also on a host that cannot run it (the AVX-512 one on an
+    AVX2 host)."""
+    assert cpu.build(march) is not None, cpu.build_error(march)
 
 
 def test_the_blocking_fits_the_target(kernels, request):
@@ -318,7 +318,7 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
     """The fused CPU step and prefill with lmq's C kernels (RMSNorm, RoPE + K/V append with q/k norms and left
     padding, SiLU-mul, attention, GEMM) against the same step with torch ops (LMQ_CPU_KERNELS=0): logits and
     every K/V written."""
-    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
+    from support.fused import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=8) if arch == "llama" else tiny_qwen3(seed=8)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")      # the C kernels wherever they take the operands
@@ -333,7 +333,7 @@ def test_fused_step_with_c_ops_matches_torch_ops(arch, monkeypatch):
 def fresh_module(monkeypatch, tmp_path):
     """cpu's module state as in a new process, building into tmp_path (restored afterwards)."""
     for name, value in (("_lib", None), ("_calibration", None), ("_override", None), ("_build_dir", tmp_path)):
-        monkeypatch.setattr(cpu, name, value)
+        monkeypatch.setattr(library, name, value)
     monkeypatch.delenv("LMQ_CPU_KERNELS", raising=False)
     return tmp_path
 
@@ -345,7 +345,7 @@ def test_no_kernels_means_torch_and_one_log_line(why, fresh_module, monkeypatch,
     if why == "failed build":
         monkeypatch.setenv("CC", "false")              # exits 1 without building anything
     elif why == "no compiler":
-        monkeypatch.setattr("lmq_kernels.cpu.build.compiler", lambda: None)
+        monkeypatch.setattr("lmq_kernels.cpu.toolchain.compiler", lambda: None)
     else:
         monkeypatch.setattr(platform, "system", lambda: "Darwin")
     w, x, out = k_major(64, 32, seed=5), torch.randn(4, 32), torch.zeros(4, 64)
@@ -362,18 +362,22 @@ def test_no_kernels_means_torch_and_one_log_line(why, fresh_module, monkeypatch,
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
 
 
-@pytest.mark.skipif("x86-64-v3" not in TARGETS, reason="the host cannot run the AVX2 build")
+# a variant this host runs other than its own: the AVX2 one (8 lanes), else the SSE2 one (4 lanes); off x86, the
+# host's own named by LMQ_CPU_MARCH
+MARCH, LANES = ("x86-64-v3", 8) if "x86-64-v3" in TARGETS else ("x86-64", 4) if X86 else ("native", None)
+
+
 def test_the_engine_runs_the_target_lmq_cpu_march_names(fresh_module, monkeypatch):
     """`LMQ_CPU_MARCH=x86-64-v3` builds the engine's own library (the one every op and the C step call)
     for AVX2 + FMA, so that the AVX2 variant is measured end to end on an AVX-512 host; unset, the host's."""
-    monkeypatch.setenv("LMQ_CPU_MARCH", "x86-64-v3")
-    assert cpu.target() == "x86-64-v3"
-    assert cpu.gemm_shape(cpu._load())["lanes"] == 8
+    monkeypatch.setenv("LMQ_CPU_MARCH", MARCH)
+    assert cpu.target() == MARCH
+    assert cpu.gemm_shape(cpu.load())["lanes"] == (LANES or cpu.gemm_shape(cpu.build("native"))["lanes"])
     w, x, out = k_major(64, 32, seed=6), torch.randn(3, 32), torch.zeros(3, 64)
     monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
     assert cpu.small_m_mm(x, w.t(), out)
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
     monkeypatch.delenv("LMQ_CPU_MARCH")
-    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(library, "_lib", None)
     assert cpu.target() == "native"
-    assert cpu.gemm_shape(cpu._load()) == cpu.gemm_shape(cpu.build("native"))
+    assert cpu.gemm_shape(cpu.load()) == cpu.gemm_shape(cpu.build("native"))

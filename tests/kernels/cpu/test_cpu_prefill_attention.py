@@ -4,18 +4,14 @@ grouped-query attention of T new tokens a row over the paged store, on every ker
 same alone as in any batch and on any number of threads, and operands it declines."""
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from lmq_kernels import cpu
-from lmq_kernels.cpu.build import compiler
 from support.cpu_targets import TARGETS  # noqa: F401 (the variants `kernels` runs)
 from support.cpu_targets import kernels  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or compiler() is None,
-                                reason="no C compiler / not Linux: the engine runs torch's ops")
+pytestmark = pytest.mark.cpu_kernels
 
 
 def case(new: list[int], cached: list[int], hq: int, hkv: int, d: int, seed: int, slots: int = 3000):

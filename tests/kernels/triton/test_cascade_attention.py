@@ -1,7 +1,5 @@
 """Decode attention over page tables whose rows share a prefix (cascade: a shared tile read once for a block
 of rows): equal to the reference, and each row's output bit for bit what it is alone."""
-from support.interpreted import needs_cuda, needs_interp, rerun_interpreted  # noqa: I001  (sets TRITON_INTERPRET first)
-
 import pytest
 import torch
 
@@ -44,7 +42,7 @@ def _shared_case(lengths, shared, Hkv, G, D, dtype, device, seed):
 CASE = dict(lengths=[60, 71, 45, 52, 30, 33, 64, 41], shared=[40, 40, 40, 40, 30, 0, 0, 17])
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("G,rows", [(4, 4), (2, 8), (3, 4), (4, 2)])
 def test_shared_prefix_matches_reference(G, rows):
     q, dense, store, table, start, end = _shared_case(**CASE, Hkv=2, G=G, D=16, dtype=torch.float32,
@@ -55,7 +53,7 @@ def test_shared_prefix_matches_reference(G, rows):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_a_row_does_not_depend_on_its_neighbours(splits):
     """A row's output is the same bits whether the rows beside it in its program share its tiles (one read for
@@ -79,7 +77,7 @@ def test_a_row_does_not_depend_on_its_neighbours(splits):
         assert torch.equal(alone[b], shared[b]), b
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_prefix_cuda(dtype):
     lengths = [1100 + 7 * i for i in range(64)]
@@ -97,6 +95,3 @@ def test_shared_prefix_cuda(dtype):
             again = decode_attention(q, *store, start, end, table=table, num_splits=1)
             assert torch.equal(alone[0], again[b]), b
 
-
-def test_interpreter_in_subprocess():
-    rerun_interpreted(__file__)

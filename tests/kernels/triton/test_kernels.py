@@ -1,12 +1,8 @@
 """Tests of the Triton decode-attention kernel against the torch reference.
 
-CPU: the kernels run under Triton's interpreter (`interpreted.py` sets ``TRITON_INTERPRET=1`` before triton is
-imported; when another test module imported triton first, the in-process CPU tests skip and
-``test_interpreter_in_subprocess`` runs this file again in a fresh interpreter). GPU: the ``cuda`` tests
-compile the kernels.
+CPU (`interpreter` tests): the kernels run under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported). GPU (`gpu` tests): the kernels compiled.
 """
-
-from support.interpreted import needs_cuda, needs_interp, rerun_interpreted  # noqa: I001  (sets TRITON_INTERPRET first)
 
 import math
 
@@ -38,7 +34,7 @@ def _make(B, Hkv, G, S, D, end, dtype=torch.float32, device="cpu", gen=None, sta
 
 # ----------------------------------------------------------------------------- CPU (interpreter)
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     "B,Hkv,G,S,D,end,splits,end_as_tensor",
     [
@@ -83,7 +79,7 @@ def _paged_case(B, Hkv, G, S, D, end, dtype, device, seed):
     return q, k, v, ks, vs, table, start
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("B,Hkv,G,S,D,end,splits", [(3, 2, 2, 40, 32, 40, None), (4, 1, 3, 70, 16, 61, 4),
                                                     (2, 2, 4, 64, 64, 50, 2)])
 def test_paged_decode_reads_through_the_table(B, Hkv, G, S, D, end, splits):
@@ -149,7 +145,7 @@ NEW_TOKEN_CASES = [  # B, nrows, Hkv, G, S, D, end, qk_norm, splits, rows
 ]
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("B,nrows,Hkv,G,S,D,end,qk_norm,splits,rows", NEW_TOKEN_CASES)
 def test_attention_appends_the_new_token_as_the_rope_kernel_does(B, nrows, Hkv, G, S, D, end, qk_norm, splits, rows):
     """decode_attention(new_token=...) (QK-norm, RoPE and the K/V append inside the attention's programs) gives
@@ -168,7 +164,7 @@ def test_attention_appends_the_new_token_as_the_rope_kernel_does(B, nrows, Hkv, 
     assert torch.isfinite(ks2[new]).all() and torch.isfinite(vs2[new]).all()
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,nrows,rows", [(1, 1, 1), (16, 13, 1), (64, 61, None)])
 def test_attention_appends_the_new_token_cuda(dtype, B, nrows, rows):
@@ -184,7 +180,7 @@ def test_attention_appends_the_new_token_cuda(dtype, B, nrows, rows):
         torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=_CUDA_TOL[dtype], rtol=0)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_cuda(dtype):
     q, k, v, ks, vs, table, start = _paged_case(16, 8, 4, 2048, 64, 2000, dtype, "cuda", 3)
@@ -194,7 +190,7 @@ def test_paged_decode_cuda(dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("G,use_dot", [(2, True), (16, False)])
 def test_both_inner_products(G, use_dot):
     """tl.dot path and broadcast multiply-reduce path, each off its default G."""
@@ -206,7 +202,7 @@ def test_both_inner_products(G, use_dot):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_unfused_reduction_and_ticket_reset():
     """Separate merge kernel (fused_reduce=False) and repeated fused launches (tickets reset)."""
     gen = torch.Generator().manual_seed(21)
@@ -221,7 +217,7 @@ def test_unfused_reduction_and_ticket_reset():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_out_param_strided_inputs_and_scale():
     gen = torch.Generator().manual_seed(3)
     B, Hkv, G, S, D, end = 3, 2, 2, 40, 16, 36
@@ -242,7 +238,7 @@ def test_out_param_strided_inputs_and_scale():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_default_split_heuristic_many_splits():
     """B * H_kv small: the default heuristic must split the range (num_splits > 1)."""
     gen = torch.Generator().manual_seed(11)
@@ -281,10 +277,6 @@ def test_reference_masks_padding():
     torch.testing.assert_close(ref[0], (p.unsqueeze(1) @ vv).squeeze(1), atol=1e-6, rtol=1e-5)
 
 
-def test_interpreter_in_subprocess():
-    rerun_interpreted(__file__)
-
-
 # ----------------------------------------------------------------------------- GPU
 
 # max abs error (outputs are O(1); bf16 output rounding alone is up to 1.6e-2 at |x| in [4, 8))
@@ -293,7 +285,7 @@ _CUDA_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 _CUDA_REL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 1e-3}
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "B,Hkv,G,S,D,end",
@@ -325,7 +317,7 @@ def test_cuda_matches_reference(dtype, B, Hkv, G, S, D, end):
     assert rel <= _CUDA_REL[dtype], rel
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_graph_replay_with_changing_end(dtype):
     B, Hkv, G, S, D = 4, 8, 4, 1024, 64
@@ -356,7 +348,7 @@ def test_cuda_graph_replay_with_changing_end(dtype):
 
 # ----------------------------------------------------------------------------- the fused step's kernels
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("in_attention", [True, False])
 def test_fused_step_and_prefill_kernels_match_torch_ops(arch, in_attention):
@@ -364,7 +356,7 @@ def test_fused_step_and_prefill_kernels_match_torch_ops(arch, in_attention):
     a row with left padding, SiLU-mul, decode attention, which rotates and appends a step's new token itself
     or not) against the ops that serve the CPU (C or torch): a prefill of ragged rows, then decode steps, in
     float32."""
-    from test_fused_decode import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
+    from support.fused import assert_same_forwards, prefill_then_steps, tiny_llama, tiny_qwen3
 
     model = tiny_llama(seed=7) if arch == "llama" else tiny_qwen3(seed=7)
 

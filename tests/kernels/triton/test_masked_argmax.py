@@ -2,15 +2,13 @@
 (`engine/picks.masked_argmax`, which `Greedy` picks with): the same index on every row and mask, ties to the
 first index, 0 where a mask allows nothing.
 
-CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported; where
-another module imported triton first, a subprocess runs this file again). GPU: compiled."""
-import support.interpreted as interpreted  # noqa: F401 - first: sets TRITON_INTERPRET before triton is imported
+CPU (`interpreter` tests): the kernel runs under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported). GPU (`gpu` tests): compiled."""
 import pytest
 import torch
-from support.interpreted import needs_cuda, needs_interp, rerun_interpreted
+
 from lmq_backend.engine.picks import masked_argmax
 from lmq_kernels.triton.masked_argmax import BLOCK, SPARSE_SHARE, MaskedPicks, masked_argmax_k
-
 
 
 def _case(B, V, K, seed, dtype=torch.float32, device="cpu"):
@@ -39,7 +37,7 @@ CASES = [(1, 7, 1, 0), (3, BLOCK + 17, 3, 1), (5, 3 * BLOCK, 4, 2), (2, 2 * BLOC
          (4, 2 * BLOCK + 5, 5, 7)]   # the engine's five masks (free steps', and within UTF-8 characters)
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_matches_the_engines_pick(case):
     logits, masks = _case(*case)
@@ -48,7 +46,7 @@ def test_matches_the_engines_pick(case):
     assert out[0, 0] == 3 and (len(masks) < 2 or out[1].eq(0).all())
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_writes_into_a_strided_out():
     logits, masks = _case(3, BLOCK + 9, 2, 4)
     buf = torch.full((2, 8), -1, dtype=torch.int64)
@@ -70,7 +68,7 @@ def _sparse_case(B, V, seed, dtype=torch.float32, device="cpu"):
     return logits.to(device), masks.to(device)
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", [(3, 2 * BLOCK + 5, 0), (1, 3 * BLOCK, 1)])
 def test_few_token_masks_pick_from_their_tokens(case):
     logits, masks = _sparse_case(*case)
@@ -81,11 +79,7 @@ def test_few_token_masks_pick_from_their_tokens(case):
     assert out[4].eq(masks[4].nonzero()[0, 0]).all()
 
 
-def test_interpreter_in_subprocess():
-    rerun_interpreted(__file__)
-
-
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES + [(256, 128256, 2, 5), (256, 49152, 5, 8)])
 def test_cuda_matches_the_engines_pick(case, dtype):
@@ -93,7 +87,7 @@ def test_cuda_matches_the_engines_pick(case, dtype):
     assert torch.equal(masked_argmax_k(logits, masks).cpu(), _expected(logits, masks))
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [(256, 128256, 0), (200, 49152, 1), (3, 2 * BLOCK + 5, 2)])
 def test_cuda_few_token_masks_pick_from_their_tokens(case, dtype):

@@ -2,15 +2,13 @@
 per row and token, softmax attention over exactly the columns the contract names, read from a dense copy
 of the row's K/V (not through the kernel's page-table indexing).
 
-CPU: the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before triton is imported;
-when another module imported triton first, the in-process tests skip and a subprocess runs this file again).
-GPU: the ``cuda`` tests compile the kernel (``TRITON_INTERPRET=0``)."""
+CPU (`interpreter` tests): the kernel runs under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported). GPU (`gpu` tests): compiled (``TRITON_INTERPRET`` unset)."""
 import math
 
-import support.interpreted as interpreted  # noqa: F401 - first: sets TRITON_INTERPRET before triton is imported
 import pytest
 import torch
-from support.interpreted import needs_cuda, needs_interp, rerun_interpreted
+
 from lmq_kernels.triton.prefill_attention import prefill_attention, prefill_attention_reference
 
 
@@ -77,7 +75,7 @@ CASES = [  # (B, T, Hkv, G, D, S, news, cached)
 ]
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_matches_independent_attention(case):
     B, T, Hkv, G, D, S, news, cached = case
@@ -88,7 +86,7 @@ def test_matches_independent_attention(case):
     _check(ref, _expected(q, dk, dv, start, end, news), news, atol=1e-5)
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_a_wrong_column_range_is_caught():
     """The comparison has teeth: the kernel run with every row's first column dropped (start + 1) fails it."""
     case = CASES[1]
@@ -100,11 +98,7 @@ def test_a_wrong_column_range_is_caught():
         _check(dropped, _expected(q, dk, dv, start, end, news), news, atol=1e-5)
 
 
-def test_interpreter_in_subprocess():
-    rerun_interpreted(__file__)
-
-
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("case", CASES + [(8, 40, 8, 4, 64, 1280, [40, 33, 25, 40, 12, 40, 1, 30],
                                           [1100] * 6 + [1200, 0])])

@@ -3,12 +3,11 @@
 u inside an interval, away from its ends, where float rounding cannot move the pick), never a masked token or
 one without mass, the same token for a row alone and among others, and splits of the vocabulary that meet.
 
-CPU: the kernels run under Triton's interpreter (a subprocess where another module imported triton first).
-GPU: compiled, at a Llama-3 vocabulary."""
-import support.interpreted as interpreted  # noqa: F401 - first: sets TRITON_INTERPRET before triton is imported
+CPU (`interpreter` tests): the kernels run under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported). GPU (`gpu` tests): compiled, at a Llama-3 vocabulary."""
 import pytest
 import torch
-from support.interpreted import needs_cuda, needs_interp, rerun_interpreted
+
 from lmq_backend.engine.picks import inverse_cdf
 from lmq_kernels.triton.sample_rows import BLOCK, sample_rows
 
@@ -44,7 +43,7 @@ def _inner_u(cdf, gen):
     return ((hi - p.gather(1, token[:, None])[:, 0] / 2) / cdf[:, -1]).float(), token
 
 
-@needs_interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("R,V,seed", [(4, 7, 0), (64, 3 * CHUNK + 17, 1), (3, CHUNK, 2), (32, 2 * CHUNK + 1, 3)])
 def test_the_pick_is_the_token_whose_interval_holds_u(R, V, seed):
     logits, masks, mask_of, temperature = _case(R, V, seed)
@@ -56,7 +55,7 @@ def test_the_pick_is_the_token_whose_interval_holds_u(R, V, seed):
     assert masks[mask_of.long(), out].all()
 
 
-@needs_interp
+@pytest.mark.interpreter
 def test_the_ends_of_the_distribution_and_a_row_alone():
     R, V = 6, 3 * CHUNK + 5
     logits, masks, mask_of, temperature = _case(R, V, 7)
@@ -80,11 +79,7 @@ def test_the_ends_of_the_distribution_and_a_row_alone():
                        sample_rows(logits, masks[:1], torch.zeros_like(mask_of), temperature, u, chunk=CHUNK))
 
 
-def test_interpreter_in_subprocess():
-    rerun_interpreted(__file__)
-
-
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_pick_is_the_token_whose_interval_holds_u(dtype):
     logits, masks, mask_of, temperature = _case(64, 128256, 11, "cuda", dtype)

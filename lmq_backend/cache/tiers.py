@@ -1,0 +1,411 @@
+"""`CacheTiers`: host memory and disk under the device's prefix trie.
+
+Where K/V moves
+---------------
+    trie --evicted--> host tier --dropped (LRU)--> disk tier     down, instead of being thrown away
+    trie --inserted (>= disk_min_tokens)--> disk tier           written through: the next process's warm start
+    host tier, disk tier --load--> fresh store slots            up, as trie nodes, when cheaper than a prefill
+
+Without a host tier, an evicted node goes to disk directly. The host tier keeps what it gives back (evicting
+that node again costs nothing); the disk tier keeps what it has until its budget evicts it.
+
+The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line marked "cache tiers" where it is):
+    PrefixTrie.evict          `on_evict(leaf, prefix ids)` before the leaf's slots are freed  -> `evicted`
+    PrefixCache.extend        each node a prefill or a hole stored                          -> `inserted`
+    PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `stage_from` on the loop; `stage`
+                              in a worker thread reads the files that continue the device and host matches
+                              (mapped, checked)
+    PrefixCache.lookup        after the trie's match                                         -> `load`
+    PrefixCache.observe_prefill  the prefill's new tokens and time (`Scheduler`)            -> `observe_prefill`
+
+On a GPU a node going down is gathered on the compute stream and copied into pinned memory on a side stream
+(the compute stream never waits for it; whoever reads the copy waits for its event); a load goes up on the
+compute stream from pinned memory (the host does not wait; the prefill reading it is queued after it), and a
+file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every copy is plain.
+
+When to load (`worth`): a segment is loaded when moving its bytes at the tier's measured bandwidth takes less
+time than prefilling its tokens at the fastest prefill speed seen so far (new tokens / time from a prefill's
+look-up to its logits, over prefills of at least 32 new tokens). Until both are measured it is loaded: K/V
+comes back exact, and a prefill costs far more per token than a copy on the machines lmq targets.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .disk_tier import DiskTier, model_key
+from .fingerprint import describe_device
+from .host_tier import HostTier
+from .kv_store import LAYOUT_VERSION, OutOfSlots, KVStore
+from .segment import Segment, prefix_key
+from .stats import TIER_COUNTERS
+from .trie import PrefixTrie, TrieNode
+
+DISK_MIN_TOKENS = 64       # shorter nodes are not written to disk: a file read costs more than their prefill
+MEASURED_PREFILL_MIN = 32  # prefills with fewer new tokens say little about the per-token cost
+
+
+class CacheTiers:
+    def __init__(self, store: KVStore, host: HostTier | None, disk: DiskTier | None,
+                 disk_min_tokens: int = DISK_MIN_TOKENS):
+        self.store, self.host, self.disk = store, host, disk
+        self.disk_min_tokens = disk_min_tokens
+        self.cuda = store.device.type == "cuda"
+        self._side: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+        self._reading: dict[Path, threading.Event] = {}
+        self._read: "weakref.WeakValueDictionary[Path, Segment]" = weakref.WeakValueDictionary()
+        self.prefill_seconds_per_token: float | None = None
+        self.bandwidth: dict[str, float] = {}     # tier -> bytes/s of moving a segment up from it
+        self.host_hits = self.disk_hits = self.tokens_from_host = self.tokens_from_disk = 0
+        self.bytes_to_host = self.bytes_from_host = 0
+        self._warned = False
+
+    # ----- counters ---------------------------------------------------------------------------------
+
+    def counts(self, since: dict[str, int] | None = None) -> dict[str, int]:
+        """The counters of `TIER_COUNTERS` (since `since`, an earlier answer; else since this object was made)
+        and the host tier's bytes in use."""
+        disk = self.disk
+        now = {"host_hits": self.host_hits, "disk_hits": self.disk_hits, "tokens_from_host": self.tokens_from_host,
+                "tokens_from_disk": self.tokens_from_disk, "bytes_to_host": self.bytes_to_host,
+                "bytes_from_host": self.bytes_from_host,
+                "bytes_to_disk": disk.bytes_written if disk else 0, "bytes_from_disk": disk.bytes_read if disk else 0,
+                "disk_rejected": disk.rejected if disk else 0,
+                "host_bytes_in_use": self.host.bytes_in_use if self.host else 0}
+        if since:
+            for name in TIER_COUNTERS:
+                now[name] -= since.get(name, 0)
+        return now
+
+    # ----- down ---------------------------------------------------------------------------------------
+
+    def evicted(self, node: TrieNode, prefix: tuple[int, ...]) -> None:
+        """The trie evicts `node` (the tokens `prefix` end with its own): keep its K/V in the host tier, else
+        on disk. Never raises: a tier that fails is a miss later, with one warning."""
+        try:
+            tokens = len(node.ids)
+            to_disk = self.disk is not None and tokens >= self.disk_min_tokens
+            if self.host is None and not to_disk:
+                return
+            ids = np.asarray(prefix, dtype=np.int32)
+            start = len(ids) - tokens
+            if self.host is None:
+                start_key = prefix_key(ids[:start])
+                if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
+                    self.disk.write(self._down(ids, start, node.slots), start_key)
+                return
+            key = prefix_key(ids)
+            if self.host.touch((start, key)):
+                return
+            seg = self._down(ids, start, node.slots)
+            self.bytes_to_host += seg.nbytes
+            for dropped in self.host.put(seg):
+                self._to_disk(dropped)
+        except Exception as e:  # noqa: BLE001 - the trie's eviction goes on; the tokens are computed later
+            self._warn(e)
+
+    def inserted(self, trie: PrefixTrie, node: TrieNode) -> None:
+        """The trie stored `node`: a long one is written to disk."""
+        if self.disk is None or len(node.ids) < self.disk_min_tokens:
+            return
+        try:
+            ids = np.asarray(trie.path_ids(node), dtype=np.int32)
+            start = len(ids) - len(node.ids)
+            start_key = prefix_key(ids[:start])
+            if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
+                self.disk.write(self._down(ids, start, node.slots), start_key)
+        except Exception as e:  # noqa: BLE001 - a cache file not written is no error
+            self._warn(e)
+
+    def _to_disk(self, seg: Segment) -> None:
+        if self.disk is not None and seg.tokens >= self.disk_min_tokens:
+            self.disk.write(seg, prefix_key(seg.ids[:seg.start]))
+
+    def _down(self, ids: np.ndarray, start: int, slots: np.ndarray) -> Segment:
+        """A copy of the K/V of store `slots` in host memory (pinned on a GPU, copied on a side stream)."""
+        index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        if not self.cuda:
+            return Segment.of(ids, start, self.store.data[:, :, index])
+        on_device = self.store.data[:, :, index.pin_memory().to(self.store.device, non_blocking=True)]
+        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.store.device))
+        with torch.cuda.stream(side):
+            host.copy_(on_device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        on_device.record_stream(side)
+        return Segment.of(ids, start, host, ready=done)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.store.device)
+        return self._side
+
+    # ----- up -------------------------------------------------------------------------------------------
+
+    def stage_from(self, trie: PrefixTrie, ids: list[int], limit: int) -> tuple[int, list[int]] | None:
+        """Where the disk tier may continue `ids` (short of `limit`) after the device trie and the host tier:
+        that position and the starts of the segments before it (a file that begins at any of them may hold
+        what follows), for `stage`; None when no file is worth a look (a few stats)."""
+        if self.disk is None or not trie.enabled:
+            return None
+        node, p = trie.match(ids, limit)
+        if limit - p < self.disk_min_tokens:  # (a warm call's new tail: no file is worth a look)
+            return None
+        starts = [0, *(n.depth for n in trie.path(node))]
+        ids32 = np.asarray(ids, dtype=np.int32)
+        while (found := self._in_host(ids, ids32, starts, p, limit))[0] is not None:
+            p += found[2]
+            starts.append(p)
+        if limit - p < self.disk_min_tokens or not any(self.disk.starts_at(prefix_key(ids32[:s])) for s in starts):
+            return None
+        return p, starts
+
+    def stage(self, ids: list[int], at: tuple[int, list[int]], limit: int) -> list[Segment]:
+        """(Any thread) the disk tier's segments that continue `ids` from `at` (`stage_from`'s answer), one
+        after the other, mapped and checked (on a GPU machine, copied into pinned memory). Files read for
+        another sequence at the same time are read once. Never raises: a failure is a miss, with a warning."""
+        try:
+            return self._stage(ids, at, limit)
+        except Exception as e:  # noqa: BLE001 - the tokens are computed instead
+            self._warn(e)
+            return []
+
+    def _stage(self, ids: list[int], at: tuple[int, list[int]], limit: int) -> list[Segment]:
+        ids32 = np.asarray(ids, dtype=np.int32)
+        p, starts = at[0], list(at[1])
+        out: list[Segment] = []
+        tries = 0
+        while p < limit and tries < 8:
+            path, most = None, 0
+            for s in starts:
+                found, k = self.disk.find(ids32, s, limit, past=p)
+                if found is not None and s + k - p > most:
+                    path, most = found, s + k - p
+            if path is None:
+                break
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                tries += 1
+                continue
+            if not self.worth("disk", size, most):
+                break
+            seg = self._read_once(path, size)
+            if seg is None:  # gone or rejected (removed): look again
+                tries += 1
+                continue
+            k = seg.start + seg.continues(ids32, limit) - p
+            if k <= 0:  # (replaced since its head was read)
+                break
+            out.append(seg)
+            p += k
+            starts.append(p)
+        return out
+
+    def _in_host(self, ids: list[int], ids32: np.ndarray, starts: list[int], p: int,
+                 limit: int) -> tuple[Segment | None, int, int]:
+        """The host segment, starting at one of `starts`, that continues `ids` furthest beyond `p`: (it, the
+        offset of position p in it, the tokens it holds from p on), or (None, 0, 0)."""
+        best, offset, most = None, 0, 0
+        if self.host is not None:
+            for s in starts:
+                seg, k = self.host.find(ids, ids32, s, limit, past=p)
+                if seg is not None and s + k - p > most:
+                    best, offset, most = seg, p - s, s + k - p
+        return best, offset, most
+
+    def _read_once(self, path: Path, size: int) -> Segment | None:
+        with self._lock:
+            seg = self._read.get(path)
+            if seg is not None:
+                return seg
+            reading = self._reading.get(path)
+            mine = reading is None
+            if mine:
+                reading = self._reading[path] = threading.Event()
+        if not mine:
+            reading.wait()
+            with self._lock:
+                return self._read.get(path)
+        try:
+            started = time.perf_counter()
+            seg = self.disk.read(path)
+            if seg is not None and self.cuda:
+                seg.kv = seg.kv.pin_memory()
+            self._measure("disk", size, time.perf_counter() - started)
+            if seg is not None:
+                with self._lock:
+                    self._read[path] = seg
+            return seg
+        finally:
+            with self._lock:
+                del self._reading[path]
+            reading.set()
+
+    def load(self, trie: PrefixTrie, node: TrieNode, ids: list[int], cached: int, limit: int,
+             staged: list[Segment] = ()) -> tuple[TrieNode, int]:
+        """Extend the device match (`node`, `cached` tokens of `ids`) from the host tier and the `staged`
+        segments, short of `limit`: each loaded run of tokens gets fresh store slots and becomes a trie node.
+        A segment serves from any of its positions, so one that begins where a segment of the match begins
+        continues a match that ends inside it. Returns the deepest node and its depth; stops where the store
+        or the trie has no room."""
+        if cached >= limit:
+            return node, cached
+        starts = [0, *(n.depth for n in trie.path(node))]
+        if not staged and (self.host is None or not any(self.host.starts(s, ids[s]) for s in starts)):
+            return node, cached
+        ids32 = np.asarray(ids, dtype=np.int32)
+        hit = {"host": False, "disk": False}
+        trie.pin(node)
+        try:
+            while cached < limit:
+                seg, offset, k = self._in_host(ids, ids32, starts, cached, limit)
+                tier = "host"
+                for s in staged:
+                    if s.start <= cached and (n := s.start + s.continues(ids32, limit) - cached) > k:
+                        seg, offset, k, tier = s, cached - s.start, n, "disk"
+                if seg is None or (tier == "host" and not self.worth("host", k * self.store.bytes_per_token, k)):
+                    break
+                try:
+                    slots = self.store.alloc(k)
+                except OutOfSlots:
+                    break
+                try:
+                    self._up(seg, offset, k, slots, tier)
+                except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
+                    self.store.free(slots)
+                    self._warn(e)
+                    break
+                child = trie.insert(node, ids[cached:cached + k], slots)
+                self.store.free_rows(slots)  # those the trie did not take (it had them, or had no room)
+                if child is None:
+                    break
+                trie.pin(child)
+                trie.unpin(node)
+                node, cached = child, child.depth
+                starts.append(cached)
+                hit[tier] = True
+                if tier == "host":
+                    self.tokens_from_host += k
+                    self.bytes_from_host += k * self.store.bytes_per_token
+                else:
+                    self.tokens_from_disk += k
+        finally:
+            trie.unpin(node)
+        self.host_hits += hit["host"]
+        self.disk_hits += hit["disk"]
+        return node, cached
+
+    def _up(self, seg: Segment, offset: int, k: int, slots: np.ndarray, tier: str) -> None:
+        """The K/V of `seg`'s tokens [offset, offset + k) into store `slots`."""
+        data = self.store.data
+        index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        if not self.cuda:
+            started = time.perf_counter()
+            data.index_copy_(2, index, seg.kv[:, :, offset:offset + k])
+            self._measure(tier, k * self.store.bytes_per_token, time.perf_counter() - started)
+            return
+        stream = torch.cuda.current_stream(self.store.device)
+        if seg.ready is not None:
+            stream.wait_event(seg.ready)
+        timed = tier not in self.bandwidth
+        if timed:
+            torch.cuda.synchronize(self.store.device)
+            started = time.perf_counter()
+        # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
+        # asynchronously), then the part wanted goes into the store
+        up = seg.kv.to(self.store.device, non_blocking=True)
+        data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, offset:offset + k])
+        if timed:
+            torch.cuda.synchronize(self.store.device)
+            self._measure(tier, seg.nbytes, time.perf_counter() - started)
+
+    # ----- the cost model -----------------------------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill computed `tokens` new tokens in `seconds` (from its look-up to its logits)."""
+        if tokens >= MEASURED_PREFILL_MIN and seconds > 0:
+            rate = seconds / tokens
+            if self.prefill_seconds_per_token is None or rate < self.prefill_seconds_per_token:
+                self.prefill_seconds_per_token = rate
+
+    def worth(self, tier: str, nbytes: int, tokens: int) -> bool:
+        """Is moving `nbytes` up from `tier` quicker than prefilling `tokens` (True until both are measured)?"""
+        bandwidth, per_token = self.bandwidth.get(tier), self.prefill_seconds_per_token
+        if bandwidth is None or per_token is None:
+            return True
+        return nbytes / bandwidth < tokens * per_token
+
+    def _measure(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes < 1 << 20 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            old = self.bandwidth.get(tier)
+            self.bandwidth[tier] = rate if old is None else (old + rate) / 2
+
+    # ----- life ----------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for the files being written."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Finish the files being written and let the host tier's memory go."""
+        self.flush()
+        if self.host is not None:
+            self.host.clear()
+
+    def _warn(self, error: Exception) -> None:
+        """One warning per backend: a tier that fails keeps failing the same way."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"lmq: a cache tier failed ({type(error).__name__}: {error}); its prefixes are computed "
+                          "again", RuntimeWarning, stacklevel=3)
+
+
+HOST_CACHE_ON_GPU = 4 * 10**9  # `host_cache="auto"`: a GPU store's host tier; a CPU store has none (`host_tier.py`)
+
+
+@dataclass(slots=True)
+class TierOptions:
+    """What a backend asks of the tiers under its prefix cache: `host_bytes` of host memory (None: "auto",
+    `HOST_CACHE_ON_GPU` on a GPU and none on the CPU, whose store is host memory already; 0: none), a disk
+    `folder` (None: none) of at most `disk_bytes`, keyed by the weights' `fingerprint()` (called only then) and
+    `weights_dtype` (a quantized dtype; None: the store's); `name` describes the model in `lmq cache ls`."""
+
+    host_bytes: int | None
+    folder: Path | None
+    disk_bytes: int
+    fingerprint: Callable[[], str]
+    weights_dtype: str | None = None
+    name: str = "model"
+
+
+def build_tiers(store: KVStore, options: TierOptions) -> CacheTiers | None:
+    """The tiers of a store as `options` ask (None: neither a host nor a disk tier)."""
+    cuda = store.device.type == "cuda"
+    host_bytes = options.host_bytes if options.host_bytes is not None else HOST_CACHE_ON_GPU if cuda else 0
+    host = HostTier(host_bytes, pinned=cuda) if host_bytes > 0 else None
+    disk = None
+    if options.folder is not None and options.disk_bytes > 0:
+        weights_dtype = options.weights_dtype or str(store.dtype).removeprefix("torch.")
+        device = describe_device(store.device)
+        key = model_key(options.fingerprint(), weights_dtype, device, LAYOUT_VERSION, store.shape)
+        disk = DiskTier(options.folder, key, store.dtype, store.shape, LAYOUT_VERSION, options.disk_bytes,
+                        description={"name": options.name, "weights_dtype": weights_dtype, "device": device})
+    if host is None and disk is None:
+        return None
+    return CacheTiers(store, host, disk)

@@ -1,0 +1,469 @@
+"""The cache tiers under the trie (cache/tiers.py): host memory and disk files.
+
+The tiers' own contracts (budgets, LRU, a file's checks, two writer processes), then exactness through them
+on a tiny model: greedy float32 answers identical with the tiers on and off, after round trips through host
+memory and disk, after damaged or foreign files (with a warning), and in a new process."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import lmq_backend as lmq
+from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
+from lmq_backend.cache.host_tier import HostTier
+from lmq_backend.cache.segment import Segment, prefix_key
+from lmq_backend.cache.stats import CacheStats, format_table
+from lmq_backend.cache.tiers import CacheTiers
+from support.caches import node_slots
+from support.tiny import tiny_llama
+
+SHAPE = (2, 2, 16)  # layers, kv heads, head dim: the tiny llama's
+PER_TOKEN = 2 * 2 * 2 * 16 * 4  # its K/V bytes a token (float32)
+PREFIX = 200 * PER_TOKEN        # a prompt's (~200 tokens of shots)
+
+
+def segment(ids, start: int, seed: int = 0, dtype=torch.float32) -> Segment:
+    g = torch.Generator().manual_seed(seed)
+    L, H, D = SHAPE
+    kv = torch.randn(L, 2, len(ids) - start, H, D, generator=g).to(dtype)
+    return Segment.of(np.asarray(ids, dtype=np.int32), start, kv)
+
+
+def disk(folder: Path, key: str = "m" * 32, budget: int = 10**8, dtype=torch.float32) -> DiskTier:
+    return DiskTier(folder, key, dtype, SHAPE, 1, budget, description={"name": "test"})
+
+
+def put_on_disk(tier: DiskTier, seg: Segment) -> Path:
+    start_key = prefix_key(seg.ids[:seg.start])
+    assert tier.write(seg, start_key)
+    tier.flush()
+    return tier.path(start_key, seg.key)
+
+
+def files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*/*/*.kv"))
+
+
+# ----- the host tier -------------------------------------------------------------------------------------
+
+def test_host_tier_keeps_its_budget_least_recently_used_first():
+    segs = [segment(list(range(100 * i, 100 * i + 40)), 0, seed=i) for i in range(4)]
+    host = HostTier(3 * segs[0].nbytes)
+    for s in segs[:3]:
+        assert host.put(s) == []
+    assert host.find(list(segs[0].ids), None, 0, 40) == (segs[0], 40)  # touched: segs[1] is now the oldest
+    assert host.put(segs[3]) == [segs[1]]
+    host.check()
+    assert host.bytes_in_use <= host.budget_bytes and len(host) == 3
+    assert host.put(segs[3]) == []  # held already: touched, not added twice
+    big = segment(list(range(1000, 1200)), 0)
+    assert host.put(big) == [big] and len(host) == 3  # larger than the budget: straight down
+
+
+def test_a_pinned_host_tier_counts_the_pinned_allocator_blocks():
+    seg = segment(list(range(40)), 0)  # 40 x 512 bytes: a 32 KiB block when pinned
+    assert seg.nbytes == 40 * 512
+    host = HostTier(3 * 32768, pinned=True)
+    for i in range(4):
+        host.put(segment(list(range(100 * i, 100 * i + 40)), 0, seed=i))
+    host.check()
+    assert len(host) == 3 and host.bytes_in_use == 3 * 32768
+
+
+def test_host_tier_finds_the_longest_exact_continuation():
+    host = HostTier(10**6)
+    prefix = list(range(10, 30))
+    a = segment(prefix + [1, 2, 3, 4, 5, 6], 20)
+    b = segment(prefix + [1, 2, 9], 20, seed=1)
+    other = segment([99] + prefix[1:] + [1, 2, 3, 4, 5, 6, 7, 8], 20, seed=2)  # another prefix: never used
+    for s in (a, b, other):
+        host.put(s)
+    ids = prefix + [1, 2, 3, 4, 7, 7, 7]
+    assert host.find(ids, None, 20, len(ids)) == (a, 4)
+    assert host.find(ids, None, 20, 22)[1] == 2  # no further than the limit
+    assert host.find(ids, None, 20, len(ids), past=22) == (a, 4)  # beyond position 22: only a does
+    assert host.find(ids, None, 20, len(ids), past=24) == (None, 0)
+    assert host.find(ids, None, 19, len(ids)) == (None, 0)
+    assert host.find([99] + ids[1:], None, 20, 27)[0] is other
+
+
+# ----- the disk tier --------------------------------------------------------------------------------------
+
+def test_disk_round_trip_is_exact(tmp_path):
+    tier = disk(tmp_path)
+    ids = list(range(500, 700))
+    seg = segment(ids, 120, dtype=torch.bfloat16)
+    tier = disk(tmp_path, dtype=torch.bfloat16)
+    path = put_on_disk(tier, seg)
+    found, k = tier.find(np.asarray(ids[:150] + [1, 2], dtype=np.int32), 120, 152)
+    assert found == path and k == 30
+    assert tier.find(np.asarray(ids, dtype=np.int32), 120, 200, past=180) == (path, 80)
+    assert tier.find(np.asarray(ids[:150] + [1, 2], dtype=np.int32), 120, 152, past=150) == (None, 0)
+    back = tier.read(path)
+    assert back.start == 120 and np.array_equal(back.ids, seg.ids)
+    assert torch.equal(back.kv, seg.kv) and back.kv.dtype == torch.bfloat16
+    assert tier.find(np.asarray([7] + ids[1:], dtype=np.int32), 120, 200) == (None, 0)  # another prefix
+    assert not tier.write(seg, prefix_key(seg.ids[:120]))  # on disk already
+
+
+def damage(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "payload byte":
+        raw[len(raw) // 2] ^= 0x10
+    elif how == "ids byte":
+        raw[300] ^= 0x01
+    elif how == "truncated":
+        raw = raw[: len(raw) - 5000]
+    elif how == "empty":
+        raw = bytearray()
+    elif how == "end":
+        raw[-30] ^= 0xFF
+    elif how == "not ours":
+        raw = bytearray(b"hello world" * 100)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["payload byte", "ids byte", "truncated", "empty", "end", "not ours"])
+def test_disk_ignores_a_damaged_file_with_a_warning(tmp_path, how):
+    tier = disk(tmp_path)
+    ids = list(range(300))
+    path = put_on_disk(tier, segment(ids, 0))
+    damage(path, how)
+    fresh = disk(tmp_path)  # (a process that has not seen the file's head yet)
+    with pytest.warns(CacheFileWarning, match="ignored the K/V cache file"):
+        found, k = fresh.find(np.asarray(ids, dtype=np.int32), 0, 300)
+        seg = fresh.read(found) if found is not None else None
+    assert seg is None and fresh.rejected == 1
+    assert not path.exists()  # removed: it never warns twice
+
+
+@pytest.mark.parametrize("other", ["model", "dtype", "layout"])
+def test_disk_ignores_a_foreign_file(tmp_path, other):
+    ids = list(range(200))
+    theirs = {"model": disk(tmp_path / "a", key="x" * 32), "dtype": disk(tmp_path / "a", dtype=torch.float64),
+              "layout": DiskTier(tmp_path / "a", "m" * 32, torch.float32, SHAPE, 2, 10**8)}[other]
+    seg = segment(ids, 0, dtype=theirs.dtype)
+    path = put_on_disk(theirs, seg)
+    ours = disk(tmp_path / "b")
+    target = ours.path(prefix_key(seg.ids[:0]), seg.key)
+    target.parent.mkdir(parents=True)
+    shutil.copy(path, target)  # in our folder, under the right name
+    with pytest.warns(CacheFileWarning, match=f"another {other}"):
+        assert ours.find(np.asarray(ids, dtype=np.int32), 0, 200) == (None, 0)
+    assert ours.rejected == 1 and not target.exists()
+
+
+def test_model_key_names_everything_that_makes_kv_differ():
+    base = model_key("weights", "float32", "cpu:x86_64", 1, SHAPE)
+    assert base == model_key("weights", "float32", "cpu:x86_64", 1, SHAPE)
+    for other in (model_key("weights2", "float32", "cpu:x86_64", 1, SHAPE),
+                  model_key("weights", "bfloat16", "cpu:x86_64", 1, SHAPE),
+                  model_key("weights", "float32", "cuda:H100", 1, SHAPE),
+                  model_key("weights", "float32", "cpu:x86_64", 2, SHAPE),
+                  model_key("weights", "float32", "cpu:x86_64", 1, (2, 2, 32))):
+        assert other != base
+
+
+def test_disk_budget_holds_and_evicts_least_recently_used(tmp_path):
+    segs = [segment(list(range(1000 * i, 1000 * i + 100)), 0, seed=i) for i in range(6)]
+    probe = disk(tmp_path / "probe")
+    size = put_on_disk(probe, segs[0]).stat().st_size
+    tier = disk(tmp_path / "kv", budget=3 * size + 100)
+    paths = [put_on_disk(tier, s) for s in segs[:3]]
+    os.utime(paths[1], (1, 1))
+    os.utime(paths[2], (2, 2))
+    assert tier.read(paths[0]) is not None  # used now: the newest
+    for s in segs[3:5]:
+        put_on_disk(tier, s)
+        assert sum(p.stat().st_size for p in files(tmp_path / "kv")) <= tier.budget_bytes
+    left = files(tmp_path / "kv")
+    assert paths[0] in left and paths[1] not in left and paths[2] not in left and len(left) == 3
+    assert not tier.write(segment(list(range(5000)), 0), "x")  # larger than the whole budget: not written
+
+
+def _write_many(folder: str, worker: int, budget: int) -> None:
+    tier = DiskTier(Path(folder), "m" * 32, torch.float32, SHAPE, 1, budget)
+    for i in range(24):
+        # the shared ones first, then this worker's own: both processes write the same files at once
+        n = i if i < 12 else 100 * (worker + 1) + i
+        tier.write(segment(list(range(n * 1000, n * 1000 + 150)), 0, seed=n), prefix_key(np.zeros(0, np.int32)))
+    tier.flush()
+
+
+def test_two_processes_writing_one_folder_never_corrupt_it(tmp_path):
+    size = put_on_disk(disk(tmp_path / "probe"), segment(list(range(150)), 0)).stat().st_size
+    budget = 14 * size
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(str(tmp_path / "kv"), w, budget)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    left = files(tmp_path / "kv")
+    assert 0 < len(left) <= 14
+    assert sum(p.stat().st_size for p in left) <= budget
+    assert list((tmp_path / "kv" / "tmp").iterdir()) == []
+    reader = disk(tmp_path / "kv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for path in left:
+            assert reader.read(path) is not None
+    assert usage(tmp_path / "kv")[0].files == len(left)
+    total = sum(p.stat().st_size for p in left)
+    assert clear(tmp_path / "kv") == (len(left), total) and files(tmp_path / "kv") == []
+
+
+# ----- exactness through the tiers, on a tiny model -------------------------------------------------------
+
+QUERY = '''argmax
+    "{shots}Q: {question}\\nA:[ANSWER]" where len(TOKENS(ANSWER)) < 6
+'''
+
+
+def shots(i: int) -> str:
+    rng = random.Random(i)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven", "apple", "night"]
+    return "".join(f"Q: {' '.join(rng.choices(words, k=8))}\nA: {rng.choice(words)}\n\n" for _ in range(12))
+
+
+CALLS = [(i % 4, f"what is {w}?") for i, w in enumerate(["one", "two", "three", "four", "five", "six", "seven",
+                                                          "eight", "one", "two", "nine", "ten"])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def backend(model, tokenizer, **kw) -> lmq.HFBackend:
+    kw.setdefault("cache_budget", "64MB")
+    return lmq.HFBackend.from_model(model, tokenizer, name="tiny", **kw)
+
+
+async def run(b: lmq.HFBackend, calls=CALLS) -> list[str]:
+    q = lmq.Query(QUERY, model=b)
+    out = []
+    for shot, question in calls:
+        r = await q.run({"shots": shots(shot), "question": question})
+        out.append(r.prompt)
+        b.trie.check()
+        assert b.trie.pinned_nodes() == 0
+        if b.tiers is not None and b.tiers.host is not None:
+            b.tiers.host.check()
+    return out
+
+
+@pytest.fixture(scope="module")
+async def reference(model, tokenizer):
+    return await run(backend(model, tokenizer, cache_budget=0))
+
+
+async def test_exact_through_host_round_trips(model, tokenizer, reference, tmp_path):
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB")
+    assert b.store.bytes_per_token == PER_TOKEN
+    assert b.tiers.disk is None
+    assert await run(b) == reference
+    s = b.stats()
+    assert s.evictions > 0 and s.bytes_to_host > 0
+    assert s.host_hits > 0 and s.tokens_from_host > 0 and s.bytes_from_host > 0
+    assert s.tokens_reused > s.tokens_from_host  # the device trie served the rest
+    assert 0 < s.host_bytes_in_use <= 16 * 10**6
+
+
+async def test_a_failing_tier_is_a_miss_with_a_warning(model, tokenizer, reference, tmp_path, monkeypatch):
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    await run(first, CALLS[:4])
+    first.close()
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB", disk_cache=tmp_path)
+
+    def broken(*args, **kwargs):
+        raise OSError("the device is gone")
+
+    monkeypatch.setattr(b.tiers, "_up", broken)
+    monkeypatch.setattr(b.tiers.disk, "read", broken)
+    with pytest.warns(RuntimeWarning, match="a cache tier failed"):
+        assert await run(b) == reference
+    s = b.stats()
+    assert s.bytes_to_host > 0 and s.tokens_from_host == s.tokens_from_disk == 0
+    b.store.check(node_slots(b.trie), [])  # no slot leaked
+
+
+async def test_host_tier_budget_holds_under_pressure(model, tokenizer, reference):
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=2 * PREFIX)
+    assert await run(b) == reference
+    assert b.tiers.host.bytes_in_use <= 2 * PREFIX and b.stats().bytes_to_host > 2 * PREFIX
+
+
+async def test_exact_after_a_disk_round_trip_in_a_new_backend(model, tokenizer, reference, tmp_path):
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    assert await run(first) == reference
+    first.close()
+    assert first.stats().bytes_to_disk > 0 and len(files(tmp_path)) >= 4
+    second = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    assert await run(second) == reference
+    s, before = second.stats(), first.stats()
+    assert s.disk_hits >= 4 and s.tokens_from_disk > 0 and s.disk_rejected == 0
+    assert s.tokens_prefilled < before.tokens_prefilled - s.tokens_from_disk // 2
+
+
+async def test_exact_with_evictions_straight_to_disk(model, tokenizer, reference, tmp_path):
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), disk_cache=tmp_path, host_cache=0)
+    assert await run(b) == reference
+    s = b.stats()
+    assert s.evictions > 0 and s.disk_hits > 0 and s.bytes_to_host == 0
+
+
+@pytest.mark.parametrize("how", ["payload byte", "truncated", "other model"])
+async def test_damaged_or_foreign_files_give_the_right_answer_and_a_warning(model, tokenizer, reference, tmp_path,
+                                                                           how):
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    await run(first, CALLS[:4])
+    first.close()
+    written = files(tmp_path)
+    assert len(written) == 4
+    if how == "other model":
+        other = backend(tiny_llama(seed=1), tokenizer, disk_cache=tmp_path / "other", host_cache=0)
+        await run(other, CALLS[:4])
+        other.close()
+        for path, theirs in zip(written, files(tmp_path / "other")):  # their files under our names
+            shutil.copy(theirs, path)
+    else:
+        for path in written:
+            damage(path, how)
+    second = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    with pytest.warns(CacheFileWarning):
+        assert await run(second) == reference
+    assert second.stats().disk_rejected >= 1 and second.stats().tokens_from_disk == 0
+
+
+async def test_a_segment_serves_a_match_that_ends_inside_it(model, tokenizer, reference, tmp_path):
+    """The device trie holds the first tokens of a prefix (another prompt shares them) that a lower tier holds
+    whole: the rest comes from the tier, from the middle of its segment."""
+    other = [(5, "what is one?")]  # shots(5) shares its first tokens ("Q:") with shots(0)'s
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache="16MB")
+    assert await run(first, CALLS[:1]) == reference[:1]
+    first.close()
+    second = backend(model, tokenizer, disk_cache=tmp_path, host_cache="16MB")
+    await run(second, other)
+    assert await run(second, CALLS[:1]) == reference[:1]
+    s = second.stats()
+    assert s.tokens_from_disk > 150 and second.trie.match(second.vocab.encode(shots(0)))[1] > 150
+    second.trie.evict(second.trie.budget_bytes)  # everything down to the host tier
+    await run(second, other)
+    before = second.stats()
+    assert await run(second, CALLS[:1]) == reference[:1]
+    assert second.stats().since(before).tokens_from_host > 150
+
+
+async def test_a_slow_tier_is_not_loaded(model, tokenizer, reference, tmp_path):
+    first = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    await run(first)
+    first.close()
+    second = backend(model, tokenizer, disk_cache=tmp_path, host_cache=0)
+    second.tiers.prefill_seconds_per_token = 1e-9  # measured: prefills are very fast here
+    second.tiers.bandwidth["disk"] = 1e3           # and files very slow
+    assert await run(second) == reference
+    assert second.stats().disk_hits == 0 and second.stats().bytes_from_disk == 0
+
+
+def test_worth_compares_measured_bandwidth_with_prefill_speed():
+    tiers = CacheTiers.__new__(CacheTiers)
+    tiers.bandwidth, tiers.prefill_seconds_per_token = {}, None
+    assert tiers.worth("disk", 10**9, 1)  # nothing measured yet: load
+    tiers.observe_prefill(100, 1.0)       # 10 ms a token
+    tiers.observe_prefill(10, 0.001)      # too few tokens to say anything
+    tiers.observe_prefill(100, 2.0)       # slower (a batch, a wait): the fastest is kept
+    assert tiers.prefill_seconds_per_token == pytest.approx(0.01)
+    tiers.bandwidth["disk"] = 10**8       # 100 MB/s
+    assert tiers.worth("disk", 10**6, 100)      # 10 ms vs 1 s
+    assert not tiers.worth("disk", 10**9, 100)  # 10 s vs 1 s
+
+
+async def test_stats_count_tiers_since_reset(model, tokenizer, tmp_path):
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB")
+    await run(b, CALLS[:6])
+    assert b.stats().bytes_to_host > 0
+    b.reset_stats()
+    s = b.stats()
+    assert s.bytes_to_host == s.host_hits == s.tokens_from_host == 0 and s.host_bytes_in_use > 0
+    d = s.as_dict()
+    assert {"host_hits", "disk_hits", "bytes_to_disk", "disk_rejected", "host_bytes_in_use"} <= set(d)
+    before = b.stats()
+    await run(b, CALLS[6:])
+    since = b.stats().since(before)  # (what `lmq profile` reports)
+    assert since.host_hits == b.stats().host_hits and since.host_bytes_in_use == b.stats().host_bytes_in_use
+    assert "tiers: host" in format_table(since) and "tiers:" not in format_table(CacheStats())
+
+
+def test_tiers_are_off_where_the_trie_is(model, tokenizer, tmp_path):
+    assert backend(model, tokenizer, cache_budget=0, disk_cache=tmp_path, host_cache="1GB").tiers is None
+    assert backend(model, tokenizer, host_cache="auto").tiers is None  # the CPU: no host tier; no disk by default
+    b = backend(model, tokenizer, disk_cache=tmp_path)
+    assert b.tiers.host is None and b.tiers.disk is not None
+
+
+# ----- a new process ---------------------------------------------------------------------------------------
+
+RESTART = textwrap.dedent('''
+    import asyncio, json, sys
+    sys.path[:0] = [{tests!r}, {tests!r} + "/cache"]
+    from transformers import AutoTokenizer
+    import lmq_backend as lmq
+    from lmq_backend.backend.default_model import default_model_dir
+    from support.tiny import tiny_llama
+    from test_tiers import run
+
+    b = lmq.HFBackend.from_model(tiny_llama(), AutoTokenizer.from_pretrained(default_model_dir()), name="tiny",
+                                 disk_cache={folder!r}, host_cache=0)
+    prompts = asyncio.run(run(b))
+    print(json.dumps({{"prompts": prompts, "stats": b.stats().as_dict()}}))
+''')
+
+
+def test_exact_after_a_process_restart(reference, tmp_path):
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART.format(tests=str(Path(__file__).resolve().parents[1]), folder=str(tmp_path / "kv")))
+
+    def process() -> dict:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONWARNINGS": "error::UserWarning"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = process(), process()
+    assert cold["prompts"] == warm["prompts"] == reference
+    assert cold["stats"]["disk_hits"] == 0 and cold["stats"]["bytes_to_disk"] > 0
+    assert warm["stats"]["disk_hits"] >= 4 and warm["stats"]["bytes_to_disk"] == 0
+    assert warm["stats"]["tokens_prefilled"] < cold["stats"]["tokens_prefilled"] // 2
+
+
+# ----- on a GPU ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+async def test_exact_through_pinned_host_memory_on_a_gpu(tokenizer, tmp_path):
+    model = tiny_llama().cuda()
+    ref = await run(lmq.HFBackend.from_model(model, tokenizer, cache_budget=0, name="tiny"))
+    b = lmq.HFBackend.from_model(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB", disk_cache=tmp_path,
+                                 name="tiny")
+    assert b.tiers.cuda
+    assert await run(b) == ref
+    s = b.stats()
+    assert s.host_hits > 0 and s.bytes_to_host > 0
+    b.close()
+    again = lmq.HFBackend.from_model(model, tokenizer, cache_budget="64MB", host_cache=0, disk_cache=tmp_path,
+                                     name="tiny")
+    assert await run(again) == ref
+    assert again.stats().disk_hits > 0
