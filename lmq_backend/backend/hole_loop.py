@@ -1,7 +1,9 @@
 """One hole's token loop (`HoleLoop`), as `HFBackend.generate` runs it: before each pick, the constraint's
 checks (which tokens may extend the value, may it end here, is the prompt at max_len); the pick (the
 device's greedy pick where the step made one, the step's sample of the row's draw where it sampled it, else
-the sampler's); the constraint's advance.
+the sampler's); the constraint's advance. A sampler with decoding knobs (`engine.picks.Knobs`), greedy too,
+picks by draws that carry them: the step's batched pick applies them (`engine.picks.sample`), never a GPU
+step's own picks; the sampler is told each token picked (`Sampler.took`) for the next picks' penalties.
 
 `feed` is the continuation of the row's decode steps: the scheduler calls it inside each step with the
 row's new logits and feeds the token it returns in the next step, so a token costs no wake-up of the

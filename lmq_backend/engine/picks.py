@@ -7,8 +7,8 @@ uniform it inverts; the decoding knobs and the tokens they count), `Choices` (a 
 
 The decoding knobs (`Knobs`) change a row's logits before its mask selects among them: the penalties, from
 the tokens the sampler has seen (`Tokens`), then, after the mask and the temperature, `top_k`. A row with
-knobs is picked on the host's side of a step (`sample`, on the logits' device), never by a GPU step's own
-picks, so it never runs ahead without its penalties.
+knobs is picked by `sample` (on the logits' device), never by a GPU step's own picks, so that no step runs
+ahead on a pick made without its penalties.
 
 The picks, for all rows of a step at once, one module per device behind these functions: `picks_cpu.py`
 (lmq's C kernels where calibration chose them, rows in cache-sized groups) and `picks_gpu.py` (Triton
