@@ -1,7 +1,9 @@
 """One hole's token loop (`HoleLoop`), as `HFBackend.generate` runs it: before each pick, the constraint's
 checks (which tokens may extend the value, may it end here, is the prompt at max_len); the pick (the
 device's greedy pick where the step made one, the step's sample of the row's draw where it sampled it, else
-the sampler's); the constraint's advance.
+the sampler's); the constraint's advance. A sampler with decoding knobs (`engine.picks.Knobs`), greedy too,
+picks by draws that carry them: the step's batched pick applies them (`engine.picks.sample`), never a GPU
+step's own picks; the sampler is told each token picked (`Sampler.took`) for the next picks' penalties.
 
 `feed` is the continuation of the row's decode steps: the scheduler calls it inside each step with the
 row's new logits and feeds the token it returns in the next step, so a token costs no wake-up of the
@@ -51,13 +53,16 @@ class HoleLoop:
         self.generated: list[int] = []
         self.stop = None
         self.decoded = 0        # decode steps fed to the row (statistics)
-        self._greedy = type(sampler) is Greedy
-        self._sampling = type(sampler) is Sampling
+        # a sampler with decoding knobs picks by draws (`Draw.knobs`: the step applies them), greedy too
+        knobs = sampler.knobs is not None
+        self._greedy = type(sampler) is Greedy and not knobs
+        self._draws = type(sampler) is Sampling or (type(sampler) is Greedy and knobs)
         # a constraint whose mask costs far more than checking a token, greedy or sampled without a nucleus
-        # (a nucleus of the larger set is not one of the smaller): see `_checked`. (Optional in a state: one
-        # without it gives its masks.)
-        self._checks = getattr(state, "checks_tokens", False) and (
-            self._greedy or (self._sampling and sampler.top_p >= 1.0))
+        # (a nucleus of the larger set is not one of the smaller; nor is a top-k): see `_checked`. (Optional in
+        # a state: one without it gives its masks.)
+        self._checks = getattr(state, "checks_tokens", False) and not knobs and (
+            self._greedy or (self._draws and sampler.top_p >= 1.0))
+        sampler.start(seq.ids)
         self._unchecked_held = True  # did the last unconstrained pick satisfy the constraint? (`_checked`)
         self._unchecked = False      # is the next pick made without the constraint (then checked)?
         self._pending = 0            # UTF-8 continuation bytes the value's last character still expects
@@ -116,7 +121,7 @@ class HoleLoop:
             k = masks.greedy_mask(pick)
             self.ahead = Checked(k) if self._unchecked else k if k is not None else Draw(0.0, 1.0, 0.0, pick)
         else:
-            self.ahead = self.sampler.draw(pick) if self._sampling else None
+            self.ahead = self.sampler.draw(pick) if self._draws else None
         return True
 
     def _pick(self, logits: torch.Tensor | None, i: int) -> tuple[int, int | Draw | None] | None:
@@ -137,6 +142,7 @@ class HoleLoop:
             if self.can_end and not self.extendable[token]:
                 return None  # a token outside the value (EOS, or one the constraint excludes) ends the hole
         self.generated.append(token)
+        self.sampler.took(token)
         if self._checks:
             self._pending = int(self.backend.vocab.utf8_tables(self._pending)[1][token])
         self.stop = self.state.advance(token)

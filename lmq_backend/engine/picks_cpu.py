@@ -87,26 +87,46 @@ class MaskPicks:
 
 def sample(logits: torch.Tensor, draws: list, plain_rows=None) -> torch.Tensor:
     """The token of each row of `logits` [R, V] under its draw (`picks.Draw`), a few ops for all rows (not a
-    pick a row): rows without a nucleus by `plain_rows(part, masks, temperature [n], u [n])` (the GPU's
-    kernel) or `inverse_cdf`; rows that cut a nucleus by `inverse_cdf` everywhere; temperature 0 greedy.
+    pick a row): rows with knobs on a copy of their logits with their penalties applied (`penalized`); then
+    rows without a nucleus or a top-k by `plain_rows(part, masks, temperature [n], u [n])` (the GPU's kernel)
+    or `inverse_cdf`; rows that cut a nucleus or a top-k by `inverse_cdf` everywhere; temperature 0 greedy.
     Returns [R] int64 on the logits' device. A row's token is the same whatever rows share the call (each
-    row's arithmetic is its own; the rows that cut a nucleus are sorted apart from those that do not)."""
+    row's arithmetic is its own; the rows are sorted into groups by what they cut, and by their knobs)."""
+    knobbed = [i for i, d in enumerate(draws) if d.knobs is not None]
+    if not knobbed:
+        return _sample(logits, draws, plain_rows)
+    device, r = logits.device, logits.shape[0]
+    picks = torch.empty(r, dtype=torch.long, device=device)
+    rest = [i for i, d in enumerate(draws) if d.knobs is None]
+    if rest:
+        idx = torch.tensor(rest, device=device)
+        picks[idx] = _sample(logits[idx], [draws[i] for i in rest], plain_rows)
+    idx = torch.tensor(knobbed, device=device)
+    part = [draws[i] for i in knobbed]
+    picks[idx] = _sample(penalized(logits[idx].float(), part), part, plain_rows)  # (logits[idx]: a copy)
+    return picks
+
+
+def _sample(logits: torch.Tensor, draws: list, plain_rows) -> torch.Tensor:
+    """`sample` after the penalties: the rows by what they cut (nucleus, top-k), each group at once."""
     device, r = logits.device, logits.shape[0]
     temperature = _column([d.temperature for d in draws], device)  # (greedy rows are not sampled below)
     u = _column([d.u for d in draws], device)
     picks = torch.empty(r, dtype=torch.long, device=device)
-    flat = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p >= 1]
-    cut = [i for i, d in enumerate(draws) if d.temperature > 0 and d.top_p < 1]
-    for rows, top_p in ((flat, None), (cut, _column([draws[i].top_p for i in cut], device))):
-        if not rows:
-            continue
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, d in enumerate(draws):
+        if d.temperature > 0:
+            groups.setdefault((d.top_p < 1, d.knobs is not None and d.knobs.top_k is not None), []).append(i)
+    for (cuts_p, cuts_k), rows in groups.items():
         idx = torch.tensor(rows, device=device)
         part = logits if len(rows) == r else logits[idx]
         masks = [draws[i].allowed for i in rows]
-        if top_p is None and plain_rows is not None:
+        if not cuts_p and not cuts_k and plain_rows is not None:
             picks[idx] = plain_rows(part, masks, temperature[idx, 0], u[idx, 0])
         else:
-            picks[idx] = inverse_cdf_rows(part.float(), masks, temperature[idx], u[idx], top_p)
+            top_p = _column([draws[i].top_p for i in rows], device) if cuts_p else None
+            top_k = [draws[i].knobs.top_k for i in rows] if cuts_k else None
+            picks[idx] = inverse_cdf_rows(part.float(), masks, temperature[idx], u[idx], top_p, top_k)
     argmax_rows = [i for i, d in enumerate(draws) if d.temperature <= 0]
     if argmax_rows:
         idx = torch.tensor(argmax_rows, device=device)
@@ -115,30 +135,69 @@ def sample(logits: torch.Tensor, draws: list, plain_rows=None) -> torch.Tensor:
     return picks
 
 
+def penalized(z: torch.Tensor, draws: list) -> torch.Tensor:
+    """z [R, V] float32 (changed in place: give a copy) with row i's penalties (`picks.Knobs`: draws[i].knobs,
+    from the tokens draws[i].tokens), as transformers' `RepetitionPenaltyLogitsProcessor` computes the
+    repetition penalty (a scalar multiply or divide, all rows of one penalty at once) and vLLM the frequency
+    and presence penalties (z - f * count - q). Rows without knobs are left as they are. Returns z."""
+    repeated: dict[float, tuple[list[int], list[int]]] = {}  # penalty -> (rows, token ids)
+    rows, ids, f, q, counts = [], [], [], [], []
+    for i, d in enumerate(draws):
+        knobs, tokens = d.knobs, d.tokens
+        if knobs is None or tokens is None:
+            continue
+        if knobs.repetition_penalty != 1.0 and tokens.seen:
+            at, seen = repeated.setdefault(knobs.repetition_penalty, ([], []))
+            at.extend([i] * len(tokens.seen))
+            seen.extend(tokens.seen)
+        if (knobs.frequency_penalty != 0.0 or knobs.presence_penalty != 0.0) and tokens.counts:
+            n = len(tokens.counts)
+            rows.extend([i] * n)
+            ids.extend(tokens.counts)
+            counts.extend(tokens.counts.values())
+            f.extend([knobs.frequency_penalty] * n)
+            q.extend([knobs.presence_penalty] * n)
+    device = z.device
+    for penalty, (at, seen) in repeated.items():
+        r, c = torch.tensor(at, device=device), torch.tensor(seen, device=device)
+        s = z[r, c]
+        z[r, c] = torch.where(s < 0, s * penalty, s / penalty)
+    if rows:
+        r, c = torch.tensor(rows, device=device), torch.tensor(ids, device=device)
+        column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
+        z[r, c] = z[r, c] - column(f) * column(counts) - column(q)
+    return z
+
+
 def group_rows(logits: torch.Tensor) -> int:
     """How many rows of `logits` [R, V] a CPU takes at a time (all of them elsewhere)."""
     return len(logits) if logits.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * logits.shape[1]))
 
 
 def inverse_cdf_rows(z: torch.Tensor, masks: list[torch.Tensor | None], temperature: torch.Tensor,
-                     u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+                     u: torch.Tensor, top_p: torch.Tensor | None, top_k: list[int] | None = None) -> torch.Tensor:
     """`inverse_cdf` of the rows of z [R, V] under their masks; on a CPU a group of rows at a time, whose
     softmax and cumulative sum stay in the caches between their passes. A row's token is the same either
     way (each row's arithmetic is its own)."""
     n = group_rows(z)
     if n >= len(masks):
-        return inverse_cdf(masked(z, masks), temperature, u, top_p)
+        return inverse_cdf(masked(z, masks), temperature, u, top_p, top_k)
     return torch.cat([inverse_cdf(masked(z[i:i + n], masks[i:i + n]), temperature[i:i + n], u[i:i + n],
-                                  None if top_p is None else top_p[i:i + n]) for i in range(0, len(masks), n)])
+                                  None if top_p is None else top_p[i:i + n], None if top_k is None else top_k[i:i + n])
+                      for i in range(0, len(masks), n)])
 
 
 def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Per row of the masked logits z [R, V] (float32), the token of softmax(z / temperature), cut to the
-    top_p nucleus, at which the cumulative mass passes u times the whole (temperature, u, top_p: float32
-    [R, 1]). `sample`'s arithmetic, and a CUDA-graph step's without Triton (`picks_gpu.pick_in_step`), so
-    that both pick alike."""
-    p = torch.softmax(z / temperature, dim=-1)
+                top_p: torch.Tensor | None = None, top_k: list[int] | None = None) -> torch.Tensor:
+    """Per row of the masked logits z [R, V] (float32), the token of softmax(z / temperature), cut to its
+    top_k most probable tokens (ties with the k-th kept, as transformers' `TopKLogitsWarper` cuts) and then to
+    the top_p nucleus, at which the cumulative mass passes u times the whole (temperature, u, top_p: float32
+    [R, 1]; top_k: an int a row). `sample`'s arithmetic, and a CUDA-graph step's without Triton
+    (`picks_gpu.pick_in_step`), so that both pick alike."""
+    z = z / temperature
+    if top_k is not None:
+        z = top_k_cut(z, top_k)
+    p = torch.softmax(z, dim=-1)
     if top_p is not None:  # the most probable tokens, kept in the vocabulary's order (as cut, not as
         # sorted: a near-tie in two tokens' last bits must not reorder what u selects)
         p = p * nucleus(p, top_p)
@@ -146,6 +205,14 @@ def inverse_cdf(z: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     total = cdf[:, -1:].contiguous()
     # never past the last token with mass (u * total may round up to total)
     return torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total))[:, 0]
+
+
+def top_k_cut(z: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """z [R, V] with -inf where a logit is below the top_k[i]-th largest of row i (a k past V: none cut)."""
+    v = z.shape[1]
+    k = [min(k, v) for k in top_k]
+    kth = z.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=z.device)[:, None] - 1)
+    return z.masked_fill(z < kth, float("-inf"))
 
 
 def nucleus(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

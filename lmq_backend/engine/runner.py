@@ -213,8 +213,9 @@ class ModelRunner:
 
     def _device_draw(self, draw: Draw) -> tuple[int, float, float, float] | None:
         """(mask, temperature, u, after) of a draw the device samples: under one of the greedy masks, without
-        a nucleus; else None."""
-        k = None if draw.temperature <= 0 or draw.top_p < 1 or draw.after is None else self.greedy_mask(draw.allowed)
+        a nucleus or knobs (`picks.sample` applies those); else None."""
+        k = None if draw.temperature <= 0 or draw.top_p < 1 or draw.after is None or draw.knobs is not None \
+            else self.greedy_mask(draw.allowed)
         return None if k is None else (k, draw.temperature, draw.u, draw.after)
 
     @staticmethod

@@ -7,6 +7,7 @@
   name that is not an input, a known global or a builtin;
 - `LMQConstraintConflictError` for a literal empty choice (`X in []`, `X in ()`, `X in set()`, ...);
 - `LMQNotSupportedError` for an unknown decoder or an unknown decoder argument;
+- `LMQCompileError` for a decoding knob's value out of its range (`check_knobs`);
 - `LMQUnknownVariableError` when an inline `distribution VAR in [..]` names no hole of its own prompt string.
 """
 from __future__ import annotations
@@ -16,22 +17,35 @@ import builtins
 from typing import Iterator
 
 from ..errors import (
-    LMQConstraintConflictError, LMQNotSupportedError, LMQUnknownVariableError,
+    LMQCompileError, LMQConstraintConflictError, LMQNotSupportedError, LMQUnknownVariableError,
 )
 from .ast import (
     And, Call, Choice, Constraint, Contains, Exec, For, Hole, If, Interp, LenLimit, Not, Or, Prompt, PyExpr,
     PyStmt, QueryAST, Return, Stmt, Try, While, With,
 )
 
-__all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "walk_stmts",
-           "bodies", "iter_constraints", "iter_code", "bound_names"]
+__all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "KNOBS",
+           "check_knobs", "walk_stmts", "bodies", "iter_constraints", "iter_code", "bound_names"]
 
 BUILTIN_NAMES: frozenset[str] = frozenset(dir(builtins))
 
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # (not NaN)
+
+
+# the decoding knobs of argmax and sample (`engine.picks.Knobs` says what each does): name -> (test, range)
+KNOBS: dict[str, tuple] = {
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "repetition_penalty": (lambda v: _number(v) and 0 < v < float("inf"), "a number > 0"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+}
+
 # decoder -> allowed keyword arguments
 DECODER_ARGS: dict[str, frozenset[str]] = {
-    "argmax": frozenset({"max_len"}),
-    "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len"}),
+    "argmax": frozenset({"max_len", *KNOBS}),
+    "sample": frozenset({"n", "temperature", "top_p", "seed", "max_len", *KNOBS}),
     "beam": frozenset({"n", "max_len"}),
     "beam_sample": frozenset({"n", "temperature", "seed", "max_len"}),
     "beam_var": frozenset({"n", "max_len"}),
@@ -202,6 +216,14 @@ def _is_empty_literal(expr: PyExpr) -> bool:
     return False
 
 
+def check_knobs(decoder: str, args: dict, where: str = "") -> None:
+    """Raise LMQCompileError naming the first decoding knob of `args` whose value is out of its range
+    (`KNOBS`); `where` (e.g. " (line 1, column 1)") follows the decoder's name."""
+    for name, value in args.items():
+        if name in KNOBS and not KNOBS[name][0](value):
+            raise LMQCompileError(f"decoder {decoder}{where}: {name} must be {KNOBS[name][1]}, got {value!r}")
+
+
 def _check_decoder(q: QueryAST) -> None:
     d = q.decoder
     if d.name not in DECODER_ARGS:
@@ -213,6 +235,7 @@ def _check_decoder(q: QueryAST) -> None:
             raise LMQNotSupportedError(
                 f"unknown argument {k!r} for decoder {d.name} ({_pos(d.span)}); "
                 f"allowed: {', '.join(sorted(allowed))}")
+    check_knobs(d.name, d.args, f" ({_pos(d.span)})")
 
 
 def check_query(q: QueryAST, inputs: set[str] | None = None, known_globals: set[str] = frozenset()) -> None:

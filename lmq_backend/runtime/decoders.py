@@ -2,10 +2,11 @@
 
 `argmax` is greedy and exact; `sample(n, temperature, top_p, seed)` draws from the softmax with a
 per-result generator (one uniform a pick: `engine.picks.Draw`), so a seeded run repeats whatever else shares
-its batch (the samplers themselves are the engine's: `engine.picks`). The beam decoders `beam(n=4)`,
-`beam_var(n=4)` and `var(b=2, n=b)` choose among each beam's best tokens by the sum of their log-probabilities
-over the whole query, and return the n best results;
-`beam_sample(n=4, temperature=1.0, seed=None)` among n tokens each beam samples;
+its batch (the samplers themselves are the engine's: `engine.picks`). Both take the decoding knobs `top_k`,
+`repetition_penalty`, `frequency_penalty`, `presence_penalty` (`engine.picks.Knobs` defines them; a result's
+sampler counts its own call's tokens). The beam decoders `beam(n=4)`, `beam_var(n=4)` and `var(b=2, n=b)`
+choose among each beam's best tokens by the sum of their log-probabilities over the whole query, and return
+the n best results; `beam_sample(n=4, temperature=1.0, seed=None)` among n tokens each beam samples;
 `best_k(k=4, budget=30, ...)` is LMQL's best-first search (runtime/beam.py says exactly how).
 """
 from __future__ import annotations
@@ -14,11 +15,11 @@ import ast as pyast
 from dataclasses import dataclass
 
 from ..backend.protocol import DEFAULT_MAX_LEN
-from ..engine.picks import Greedy, Sampler, Sampling
+from ..engine.picks import Greedy, Knobs, Sampler, Sampling
 from ..errors import LMQCompileError, LMQNotSupportedError
-from ..language.checks import DECODER_ARGS
+from ..language.checks import DECODER_ARGS, check_knobs
 
-__all__ = ["DEFAULT_MAX_LEN", "Sampler", "Greedy", "Sampling", "BestK", "DecoderSpec"]
+__all__ = ["DEFAULT_MAX_LEN", "Sampler", "Greedy", "Sampling", "Knobs", "BestK", "DecoderSpec"]
 
 BEAM_DECODERS = ("beam", "beam_sample", "beam_var", "var", "best_k")
 
@@ -48,6 +49,11 @@ class DecoderSpec:
     max_len: int = DEFAULT_MAX_LEN
     b: int = 2  # var(b, n): the beams each kept beam searches a variable with
     best_k: BestK | None = None
+    # the decoding knobs of argmax and sample (`engine.picks.Knobs`)
+    top_k: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     @property
     def beam(self) -> bool:
@@ -64,6 +70,7 @@ class DecoderSpec:
         if unknown:
             raise LMQCompileError(f"decoder {name}: unknown argument(s) {', '.join(unknown)}; "
                                   f"allowed: {', '.join(sorted(DECODER_ARGS[name]))}")
+        check_knobs(name, args)
         if name in ("beam", "beam_sample", "beam_var", "var") and "n" not in args:
             args = {**args, "n": args.get("b", 2) if name == "var" else 4}  # LMQL's defaults
         if name == "best_k":
@@ -97,12 +104,20 @@ class DecoderSpec:
             raise LMQCompileError(f"cannot read decoder {text!r}: {e}") from None
         raise LMQCompileError(f"cannot read decoder {text!r}: write it like sample(n=3, temperature=0.7)")
 
+    @property
+    def knobs(self) -> Knobs | None:
+        """The decoding knobs that change a pick (None: none; argmax's `top_k` changes none)."""
+        knobs = Knobs(self.top_k if self.name == "sample" else None, float(self.repetition_penalty),
+                      float(self.frequency_penalty), float(self.presence_penalty))
+        return knobs if knobs.penalizes or knobs.top_k is not None else None
+
     def sampler(self, index: int) -> Sampler:
-        """The sampler of result number `index` (seeded runs give result i the seed `seed + i`)."""
+        """The sampler of result number `index` (seeded runs give result i the seed `seed + i`); each result's
+        own (its penalties count its own tokens)."""
         if self.name == "argmax":
-            return Greedy()
+            return Greedy(self.knobs)
         seed = None if self.seed is None else self.seed + index
-        return Sampling(self.temperature, self.top_p, seed)
+        return Sampling(self.temperature, self.top_p, seed, self.knobs)
 
 
 def _check_best_k(options: BestK) -> BestK:

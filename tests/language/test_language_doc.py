@@ -43,7 +43,7 @@ def printed():
 
 @pytest.mark.slow
 def test_the_tour_runs(printed):
-    basics, chat, typed, nested, agent, stream, beams, triage = printed
+    basics, chat, typed, nested, agent, stream, beams, knobs, triage = printed
     assert "Paris" in basics.splitlines()[0] and "the moon" in basics
     assert chat.startswith("<|im_start|>system\nYou are a helpful assistant.") and chat.count("<|im_start|>") == 5
     legs, in_france, country = typed.split()
@@ -56,5 +56,7 @@ def test_the_tour_runs(printed):
     assert answer == final.strip() and "Paris" in answer
     scores = [float(line.split(" ", 1)[0]) for line in beams.strip().splitlines()]
     assert len(scores) == 2 and scores == sorted(scores, reverse=True)
+    plain, penalised, sampled = map(ast.literal_eval, knobs.splitlines())
+    assert plain.count("apple") >= 3 and "apple" not in penalised and isinstance(sampled, str)
     distribution, cls = triage.rsplit(" ", 1)
     assert cls.strip() in ("positive", "negative")

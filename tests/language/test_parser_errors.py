@@ -124,15 +124,27 @@ def test_an_unknown_decoder_lists_the_known_ones():
 
 
 @pytest.mark.parametrize("decoder", ["sample(foo=1)", "argmax(n=2)", "argmax(temperature=0.5)", "greedy",
-                                     "sample(n=2, top_k=3)"])
+                                     "beam(n=2, top_k=3)"])
 def test_unknown_decoder_or_argument(decoder):
     with pytest.raises(LMQNotSupportedError):
         parse_and_check(f'{decoder}\n    "a[X]"')
 
 
 def test_known_decoder_arguments():
-    parse_and_check('argmax(max_len=10)\n    "a[X]"')
-    parse_and_check('sample(n=2, temperature=0.5, top_p=0.9, seed=3, max_len=5)\n    "a[X]"')
+    parse_and_check('argmax(max_len=10, repetition_penalty=1.2)\n    "a[X]"')
+    parse_and_check('sample(n=2, temperature=0.5, top_p=0.9, seed=3, max_len=5, top_k=3, repetition_penalty=1.1, '
+                    'frequency_penalty=0.5, presence_penalty=-0.5)\n    "a[X]"')
+
+
+@pytest.mark.parametrize("decoder, message", [
+    ("sample(n=2, top_k=0)", "decoder sample (line 1, column 1): top_k must be an integer >= 1, got 0"),
+    ("argmax(repetition_penalty=0)", "decoder argmax (line 1, column 1): repetition_penalty must be a number > 0"),
+    ("sample(presence_penalty='x')", "decoder sample (line 1, column 1): presence_penalty must be a number in [-2, 2]"),
+])
+def test_a_decoding_knob_out_of_range(decoder, message):
+    with pytest.raises(LMQCompileError) as info:
+        parse_and_check(f'{decoder}\n    "a[X]"')
+    assert message in str(info.value)
 
 
 def test_distribution_errors():

@@ -240,10 +240,12 @@ class Script:
 _CALL: contextvars.ContextVar = contextvars.ContextVar("lmq_test_call")
 
 
-async def run_engine(backend, script: Script, calls: list[dict], batched: bool, seed: int = 0) -> list[tuple]:
+async def run_engine(backend, script: Script, calls: list[dict], batched: bool, seed: int = 0,
+                     decoder: str | None = None) -> list[tuple]:
     """Run `script` on an lmq backend for each input dict: one after another, or all at once with random
-    arrival (each call waits 0-12 event-loop turns first). Returns per call (the token ids lmq ran on, read
-    from the query's Sequence when it is released, and the distribution as log-probabilities or None)."""
+    arrival (each call waits 0-12 event-loop turns first); `decoder` as `lmq.Query` takes it (None: argmax).
+    Returns per call (the token ids lmq ran on, read from the query's Sequence when it is released, and the
+    distribution as log-probabilities or None)."""
     import lmq_backend as lmq
 
     seen: dict[int, list[int]] = {}
@@ -254,7 +256,7 @@ async def run_engine(backend, script: Script, calls: list[dict], batched: bool, 
         release(seq)
 
     backend.release = spy
-    query = lmq.Query(script.source(), model=backend)
+    query = lmq.Query(script.source(), model=backend, decoder=decoder)
     rng = random.Random(seed)
 
     async def call(i: int):
