@@ -45,7 +45,7 @@ def transformers_scores(z: torch.Tensor, ids: list[int], knobs: Knobs, temperatu
         processors.append(TemperatureLogitsWarper(temperature))
         if knobs.top_k is not None:
             processors.append(TopKLogitsWarper(knobs.top_k))
-    return processors(torch.tensor([ids]), z.clone()[None])[0]
+    return processors(torch.tensor([ids], device=z.device), z.clone()[None])[0]
 
 
 def openai_penalties(z: torch.Tensor, counts: dict[int, int], f: float, q: float) -> torch.Tensor:
