@@ -56,10 +56,23 @@ class HostTier:
         self._lru.move_to_end(name)
         return True
 
+    def covering(self, ids: np.ndarray, start: int) -> Segment | None:
+        """A segment that holds the K/V of tokens [start, len(ids)) of `ids` (int32): it begins at or before
+        `start` and continues `ids` to their end. Touches it. (A trie node evicted after a split, or after a
+        load that took only part of a segment, is held already.)"""
+        end = len(ids)
+        for name, seg in reversed(self._lru.items()):  # the most recently used first
+            if seg.start <= start and seg.end >= end and seg.ids[end - 1] == ids[end - 1] \
+                    and np.array_equal(seg.ids[:end], ids):
+                self._lru.move_to_end(name)
+                return seg
+        return None
+
     def put(self, seg: Segment) -> list[Segment]:
         """Keep `seg` (if it fits the budget at all), dropping the least recently used segments to make room;
         returns the segments that left (`seg` itself when it is larger than the budget), for a lower tier.
-        A segment held already is only touched."""
+        A segment held already is only touched; the segments `seg` holds all of leave without a word (they
+        are not returned: `seg` goes down in their place)."""
         name = (seg.start, seg.key)
         if name in self._lru:
             self._lru.move_to_end(name)
@@ -67,6 +80,9 @@ class HostTier:
         held = held_bytes(seg.nbytes, self.pinned)
         if held > self.budget_bytes:
             return [seg]
+        for old in [s for s in self._lru.values() if seg.start <= s.start and s.end <= seg.end
+                    and np.array_equal(s.ids, seg.ids[:s.end])]:
+            self._drop((old.start, old.key))
         dropped = []
         while self.bytes_in_use + held > self.budget_bytes:
             dropped.append(self._drop(next(iter(self._lru))))

@@ -107,8 +107,7 @@ class CacheTiers:
                 if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
                     self.disk.write(self._down(ids, start, node.slots), start_key)
                 return
-            key = prefix_key(ids)
-            if self.host.touch((start, key)):
+            if self.host.covering(ids, start) is not None:
                 return
             seg = self._down(ids, start, node.slots)
             self.bytes_to_host += seg.nbytes
@@ -380,13 +379,12 @@ class CacheTiers:
                           "again", RuntimeWarning, stacklevel=3)
 
 
-HOST_CACHE_ON_GPU = 4 * 10**9  # `host_cache="auto"`: a GPU store's host tier; a CPU store has none (`host_tier.py`)
-
-
 @dataclass(slots=True)
 class TierOptions:
     """What a backend asks of the tiers under its prefix cache: `host_bytes` of host memory (None: "auto",
-    `HOST_CACHE_ON_GPU` on a GPU and none on the CPU, whose store is host memory already; 0: none), a disk
+    none: on the CPU the store is host memory already, and on a GPU the benchmark that refills a small device
+    trie from the host tier (benchmarks/bench_tiers.py host) measures its loads no quicker than the prefills
+    they replace; 0: none), a disk
     `folder` (None: none) of at most `disk_bytes`, keyed by the weights' `fingerprint()` (called only then) and
     `weights_dtype` (a quantized dtype; None: the store's); `name` describes the model in `lmq cache ls`."""
 
@@ -401,7 +399,7 @@ class TierOptions:
 def build_tiers(store: KVStore, options: TierOptions) -> CacheTiers | None:
     """The tiers of a store as `options` ask (None: neither a host nor a disk tier)."""
     cuda = store.device.type == "cuda"
-    host_bytes = options.host_bytes if options.host_bytes is not None else HOST_CACHE_ON_GPU if cuda else 0
+    host_bytes = options.host_bytes or 0
     host = HostTier(host_bytes, pinned=cuda) if host_bytes > 0 else None
     disk = None
     if options.folder is not None and options.disk_bytes > 0:

@@ -99,6 +99,24 @@ def test_host_tier_finds_the_longest_exact_continuation():
     assert host.find([99] + ids[1:], None, 20, 27)[0] is other
 
 
+def test_host_tier_holds_a_run_of_tokens_once():
+    """A node evicted after a split (its tokens a part of a held segment) is held already; a segment that holds
+    all of an older one replaces it."""
+    host = HostTier(10**6)
+    ids = list(range(10, 90))
+    whole = segment(ids, 10)
+    host.put(whole)
+    assert host.covering(np.asarray(ids[:60], dtype=np.int32), 30) is whole       # a part, from inside it
+    assert host.covering(np.asarray(ids, dtype=np.int32), 5) is None              # it begins later than that
+    assert host.covering(np.asarray(ids[:59] + [7], dtype=np.int32), 30) is None  # another last token
+    longer = segment(ids + [1, 2, 3], 0, seed=1)
+    assert host.put(longer) == [] and list(host) == [longer]                      # `whole` is in it: gone
+    other = segment(ids[:40] + [5] * 10, 20, seed=2)                              # shares only a prefix: kept
+    host.put(other)
+    assert list(host) == [longer, other]
+    host.check()
+
+
 # ----- the disk tier --------------------------------------------------------------------------------------
 
 def test_disk_round_trip_is_exact(tmp_path):
