@@ -50,7 +50,7 @@ def run_blocks(indices: list[int]) -> tuple[list[str], str]:
 
 def test_every_python_block_is_run_here():
     assert "path/to/model-dir" not in "".join(PYTHON)  # a placeholder folder would need a real one here
-    assert len(PYTHON) == 3 and len(LMQL_BLOCKS) == 1  # a new block: give it checks below
+    assert len(PYTHON) == 4 and len(LMQL_BLOCKS) == 1  # a new block: give it checks below
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,18 @@ def test_the_first_query_block(lmq_blocks):
 
 
 @pytest.mark.slow
+def test_the_language_tour_block(lmq_blocks):
+    """Roles, typed holes, a nested query, a tool awaited, a while loop and streaming, on the default model."""
+    [_, tour, _], _ = lmq_blocks
+    typed, streamed = tour.split("\n", 1)
+    kinds, line = typed.split(" ", 2)[:2], typed.split(" ", 2)[2]
+    assert kinds == ["int", "bool"] and line == line.strip() and line
+    assert streamed.endswith("|") and streamed.replace("|", "").strip().isdigit()  # DAYS, token by token
+
+
+@pytest.mark.slow
 def test_the_profiling_block(lmq_blocks):
-    [_, profiling], stderr = lmq_blocks
+    [_, _, profiling], stderr = lmq_blocks
     head, *table, last = profiling.strip().splitlines()
     hit_rate, p95 = map(float, head.split())
     stats = json.loads(last)
