@@ -81,18 +81,33 @@ def w1(backend, model, calls: int) -> dict:
     return {"times": times, "tokens": median(prompt_tokens), "agree": agree, "n": len(reviews)}
 
 
-def w2(backend, model) -> dict:
-    encode = backend.vocab.encode
+def lmq_turns(backend, source: str, hole: str) -> tuple[list[float], dict, int]:
+    """Per-turn seconds of W2 written as `source` (its `hole` line gets a clock), its variables and the
+    tokens it prefilled: the call's start or a turn's hole to the next turn's hole, the last to the end."""
     marks = []
-    q = lmq.Query(W.W2_QUERY.replace('"[ANSWER]"', '"{tick()}[ANSWER]"'), model=backend)
+    q = lmq.Query(source.replace(hole, hole.replace("[ANSWER]", "{tick()}[ANSWER]")), model=backend)
     inputs = {"system": W.W2_SYSTEM, "turns": W.W2_TURNS, "tick": lambda: marks.append(time.perf_counter()) or ""}
+    before = backend.stats().tokens_prefilled
     t0 = time.perf_counter()
     r = asyncio.run(q.run(inputs))
     end = time.perf_counter()
-    lmq_turns = [b - a for a, b in zip(marks, marks[1:] + [end])]
-    lmq_turns[0] += marks[0] - t0
+    turns = [b - a for a, b in zip(marks, marks[1:] + [end])]
+    turns[0] += marks[0] - t0
+    return turns, r.variables, backend.stats().tokens_prefilled - before
+
+
+def w2(backend, model) -> dict:
+    """W2 by lmq (the template's markup written by hand, and with role tags: each on an empty trie, the same
+    prefill work), and by transformers from scratch and with a carried cache."""
+    encode = backend.vocab.encode
+    backend.trie.evict(backend.trie.evictable_bytes())
+    hand, answers, hand_prefilled = lmq_turns(backend, W.W2_QUERY, '"[ANSWER]"')
+    backend.trie.evict(backend.trie.evictable_bytes())
+    roles, role_answers, roles_prefilled = lmq_turns(backend, W.W2_ROLES_QUERY, '"{:assistant} [ANSWER]"')
+    print(f"W2 with role tags: the same answers {role_answers == answers}, tokens prefilled {roles_prefilled} "
+          f"(by hand {hand_prefilled})")
     lengths = []
-    times = {"lmq": lmq_turns, "hf-scratch": [], "hf-cached": []}
+    times = {"lmq": hand, "lmq-roles": roles, "hf-scratch": [], "hf-cached": []}
     for mode in ("hf-scratch", "hf-cached"):
         history = encode("<|im_start|>system\n") + encode(W.W2_SYSTEM) + encode("<|im_end|>\n")
         cache, fed = None, 0
@@ -108,7 +123,7 @@ def w2(backend, model) -> dict:
                 out = out[:-1]
             history += out + encode("<|im_end|>\n")
             lengths.append(len(history))
-    return {"times": times, "tokens": f"{lengths[0]}-{lengths[len(W.W2_TURNS) - 1]}", "answers": r.variables}
+    return {"times": times, "tokens": f"{lengths[0]}-{lengths[len(W.W2_TURNS) - 1]}", "answers": answers}
 
 
 def report(name: str, res: dict) -> None:
@@ -126,7 +141,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
-    backend = lmq.HFBackend(args.model, device=args.device, dtype=args.dtype)
+    backend = lmq.HFBackend(args.model, device=args.device, dtype=args.dtype, disk_cache=None)  # the process alone
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, {args.dtype}")
     model = W.plain_model(backend.model)  # for the HF baselines
     r1 = w1(backend, model, args.calls)

@@ -97,6 +97,16 @@ from "default"
 '''
 
 
+# W2 with role tags: the model's own chat template writes the markup (for SmolLM2, the same text as W2_QUERY's)
+W2_ROLES_QUERY = '''argmax
+    "{:system} {system}"
+    for turn in turns:
+        "{:user} {turn}"
+        "{:assistant} [ANSWER]" where len(TOKENS(ANSWER)) < ''' + str(W2_ANSWER_TOKENS + 1) + '''
+from "default"
+'''
+
+
 def random_config(shape: str):
     """Configs of the random-weight models used on the GPU (speed does not depend on weight values)."""
     from transformers import LlamaConfig
