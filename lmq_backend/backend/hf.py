@@ -141,6 +141,7 @@ class HFBackend(Backend):
                              tiers=tiers)
         runner = self.engine.runner
         self._vocab = vocab_index(tokenizer, runner.vocab_size)  # (from disk after the first load)
+        self._vocab.prefix_encoder()  # (now, not in the first call)
         self.masks = PickMasks(self._vocab, len(tokenizer), runner.device)
         runner.set_greedy_masks(list(self.masks.greedy), after=self.masks.proposals.after)
         with_special = tokenizer("x").input_ids

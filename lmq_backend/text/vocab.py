@@ -151,12 +151,17 @@ class VocabIndex:
     def encode(self, text: str) -> list[int]:
         """`tokenizer.encode(text, add_special_tokens=False)` (a fresh list): from the prefixes and words the
         prefix encoder keeps, for a tokenizer it takes (prefix_encode.py); else memoized with an LRU."""
-        encoder = self._prefix_encoder
-        if encoder is None:
-            encoder = self._prefix_encoder = PrefixEncoder.for_tokenizer(self.tokenizer, self.n_bytes) or False
+        encoder = self.prefix_encoder()
         if encoder:
             return encoder.encode(text)
         return list(self._encode_cached(text))
+
+    def prefix_encoder(self) -> PrefixEncoder | None:
+        """The prefix encoder of this tokenizer (None: it takes none), built at the first call: a backend
+        calls this at its load, so that the first query's call does not read the tokenizer's tables."""
+        if self._prefix_encoder is None:
+            self._prefix_encoder = PrefixEncoder.for_tokenizer(self.tokenizer, self.n_bytes) or False
+        return self._prefix_encoder or None
 
     def encode_continuation(self, text: str) -> list[int]:
         """Token ids of `text` as it continues a sequence. SentencePiece tokenizers (Llama-2, Mistral v0.1)

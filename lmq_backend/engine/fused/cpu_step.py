@@ -33,7 +33,7 @@ from lmq_kernels.cpu.step import MAX_ROWS, Layer, LayerPlan, Weight, decode_laye
 from ..quantize import QuantizedLinear
 from .weights import decoder_weights, loads
 
-__all__ = ["CpuLayers", "plan_for", "step_class", "weights_kind", "panels_fit", "head_panels_fit"]
+__all__ = ["CpuLayers", "plan_for", "step_class", "weights_kind", "panels_fit", "head_panels_fit", "make_panels"]
 
 
 PANELS_MAX_MEMORY = 0.1  # the float32 weights' panel-major copies take at most this share of the machine's memory
@@ -86,6 +86,19 @@ def _layer_weights(laid_out) -> list[tuple[Weight, Weight, Weight, Weight]]:
     return _since_load(laid_out, "_cpu_weights", make)
 
 
+def _head_panels(laid_out) -> torch.Tensor | None:
+    return _since_load(laid_out, "_head_panels",
+                       lambda: panel_major(laid_out.lm_head.t()) if head_panels_fit(laid_out) else None)
+
+
+def make_panels(model) -> None:
+    """The panel-major weight copies of `model` that lmq's C kernels read, made now (at the model's load)
+    rather than inside its first query's call."""
+    laid_out = decoder_weights(model)
+    _layer_weights(laid_out)
+    _head_panels(laid_out)
+
+
 class CpuLayers:
     """A fused decoder's CPU step in one C call (see the module docstring), and the panel-major weight copies
     lmq's C kernels read: made at first use, and again after each load of the weights (`weights.loads()`: a
@@ -100,9 +113,7 @@ class CpuLayers:
         (`panels_fit`); else (and on a GPU) None (K-major). One per model, whatever decoder asks."""
         if decoder.triton:
             return None
-        laid_out = decoder_weights(decoder.model)
-        return _since_load(laid_out, "_head_panels",
-                           lambda: panel_major(laid_out.lm_head.t()) if head_panels_fit(laid_out) else None)
+        return _head_panels(decoder_weights(decoder.model))
 
     def layer_panels(self, decoder) -> list[tuple]:
         """Per layer, the panel-major copies of (qkv, o, gate/up, down) that the C step reads, for the small-M

@@ -1,4 +1,5 @@
-"""The CPU kernels' choices for a model, measured when it is laid out rather than inside its first queries.
+"""The CPU kernels' choices for a model, and its weights' panel-major copies, made when it is laid out rather than
+inside its first queries.
 
     warm_up(model, rows=WARM_UP_ROWS) -> int    the classes measured now (0: this machine had them all)
 
@@ -18,7 +19,7 @@ from lmq_kernels import cpu
 
 from ...paths import cache_dir
 from ..quantize import QuantizedLinear
-from .cpu_step import head_panels_fit, panels_fit, plan_for, step_class, weights_kind
+from .cpu_step import head_panels_fit, make_panels, panels_fit, plan_for, step_class, weights_kind
 from .decoder import FusedDecoder
 from .weights import decoder_weights
 
@@ -77,14 +78,19 @@ def _steps(model, shape: "cpu.ModelShape", rows: int) -> None:
 
 
 def warm_up(model, rows: int = WARM_UP_ROWS) -> int:
-    """Measure the classes `model`'s CPU steps of up to `rows` rows and its prefills meet, those this machine
-    has not measured (see the module docstring); returns how many. Nothing where lmq's kernels do not run the
-    model or are not calibrated (LMQ_CPU_KERNELS=0 or 1)."""
-    if cpu.mode() != "auto":
+    """Make the model's panel-major weight copies, and measure the classes `model`'s CPU steps of up to `rows`
+    rows and its prefills meet, those this machine has not measured (see the module docstring); returns how
+    many. Nothing where lmq's kernels do not run the model; no measuring where they are not calibrated
+    (LMQ_CPU_KERNELS=0 or 1)."""
+    if cpu.mode() == "0":
         return 0
     cpu.configure(cache_dir() / "kernels")   # (before `model_shape` loads the library)
     shape = model_shape(model)
     if shape is None or not cpu.available():
+        return 0
+    with torch.inference_mode():
+        make_panels(model)  # (their first use would make them: inside a query's call)
+    if cpu.mode() != "auto":
         return 0
     before = set(cpu.choices())
     with torch.inference_mode(), cpu.warming():
