@@ -13,7 +13,12 @@ from support.models import build
 pytestmark = pytest.mark.cpu_kernels
 
 
-async def test_the_first_call_makes_no_weight_panels_and_no_prefix_encoder(tokenizer, monkeypatch):
+async def test_the_first_call_makes_no_weight_panels_and_no_prefix_encoder(monkeypatch):
+    from transformers import AutoTokenizer
+
+    from lmq_backend.backend.default_model import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())  # its own: a tokenizer keeps its vocab index
     made = []
     for module in (step, cpu_step):
         real = module.panel_major
