@@ -3,7 +3,7 @@
 LMQL's own subprocess client starts a process per distinct set of `lmql.model(...)` arguments (each
 loading the model again) and waits forever if that process fails. Here, every handle of a SPEC talks to
 one process (`python -m lmq_backend.lmql.process SPEC`, a fresh interpreter: nothing is forked from a
-process that may hold threads), which keeps one `Session` per argument set, so handles whose backend
+process that may hold threads), which keeps one `ArgumentSet` (a backend) per argument set, so handles whose backend
 arguments agree share one backend and its trie. A reader thread delivers the process's messages to each
 stream's event loop; when the process ends, every open and later call raises.
 
@@ -56,8 +56,8 @@ class ModelProcess:
         self.failure: str | None = None
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = count(1)
-        self._sessions: set[bytes] = set()
-        self._lock = threading.Lock()  # the pipe, _streams, _sessions
+        self._argument_sets: set[bytes] = set()
+        self._lock = threading.Lock()  # the pipe, _streams, _argument_sets
         from_parent, to_child = os.pipe()  # (read end, write end)
         from_child, to_parent = os.pipe()
         try:
@@ -90,15 +90,15 @@ class ModelProcess:
         with self._lock:
             self._streams.pop(stream_id, None)
 
-    def send(self, session: bytes, kwargs: dict, cmd: str, payload: dict) -> None:
+    def send(self, args_key: bytes, kwargs: dict, cmd: str, payload: dict) -> None:
         with self._lock:
             if self.failure is not None:
                 return  # (the stream has its error already)
             try:
-                if session not in self._sessions:
-                    self._out.send(("SESSION", session, kwargs))
-                    self._sessions.add(session)
-                self._out.send((session, cmd, payload))
+                if args_key not in self._argument_sets:
+                    self._out.send(("ARGUMENTS", args_key, kwargs))
+                    self._argument_sets.add(args_key)
+                self._out.send((args_key, cmd, payload))
             except OSError as e:
                 self._fail(f"the lmq model process for {self.spec!r} is gone ({e})")
 
@@ -149,9 +149,9 @@ class ProcessHandle:
     def __init__(self, process: ModelProcess, identifier: str, kwargs: dict):
         self.process, self.model_identifier, self.kwargs = process, identifier, dict(kwargs)
         try:
-            self.session = pickle.dumps(sorted(self.kwargs.items()))
+            self.args_key = pickle.dumps(sorted(self.kwargs.items()))
         except Exception as e:  # noqa: BLE001 - reported by the first call
-            self.session, self.error = b"", f"lmql.model arguments must be picklable for lmq's model process: {e}"
+            self.args_key, self.error = b"", f"lmql.model arguments must be picklable for lmq's model process: {e}"
         else:
             self.error = None
 
@@ -183,7 +183,7 @@ class ProcessHandle:
             raise LMTPStreamError(self.error)
         stream_id, queue = self.process.open_stream()
         try:
-            self.process.send(self.session, self.kwargs, cmd,
+            self.process.send(self.args_key, self.kwargs, cmd,
                               {**payload, "model": self.model_identifier, "stream_id": stream_id})
             while True:
                 if until_first:
@@ -201,7 +201,7 @@ class ProcessHandle:
 
 # ----- the model process ------------------------------------------------------------------------------
 
-class Session:
+class ArgumentSet:
     """One argument set of `lmql.model(...)` in the model process: its `LMQModel`s (one per model identifier,
     made on first use as LMQL's `LMTPModel.load` would), answering LMTP commands with `send(payload)`."""
 
@@ -246,20 +246,20 @@ async def _serve(spec: str, inbox: Connection, outbox: Connection) -> None:
         with send_lock:
             outbox.send(("TOKEN", payload))
 
-    sessions: dict[bytes, Session] = {}
+    argument_sets: dict[bytes, ArgumentSet] = {}
     tasks: set[asyncio.Task] = set()
     loop = asyncio.get_running_loop()
     closed = loop.create_future()
 
     def take(message) -> None:  # (on the loop) a call starts at once: calls sent together batch together
-        if message[0] == "SESSION":
+        if message[0] == "ARGUMENTS":
             _, key, kwargs = message
-            if not sessions:
+            if not argument_sets:
                 threading.Thread(target=_preload, args=(spec, dict(kwargs)), daemon=True).start()
-            sessions[key] = Session(kwargs, send)
+            argument_sets[key] = ArgumentSet(kwargs, send)
         else:
             key, cmd, payload = message
-            task = asyncio.ensure_future(sessions[key].handle(cmd, payload))
+            task = asyncio.ensure_future(argument_sets[key].handle(cmd, payload))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 

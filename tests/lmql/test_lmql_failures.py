@@ -108,4 +108,4 @@ async def test_one_model_process_per_spec(tiny_folder):  # noqa: F811
     started = model_processes() - before
     assert len(started) <= 1 and len(model_processes()) >= 1  # (one may run from an earlier test)
     process = lmql_process._processes[spec]
-    assert process.proc.pid in model_processes() and len(process._sessions) >= 3  # three argument sets
+    assert process.proc.pid in model_processes() and len(process._argument_sets) >= 3  # three argument sets
