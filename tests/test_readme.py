@@ -73,7 +73,7 @@ def test_the_language_tour_block(lmq_blocks):
     """Roles, typed holes, a nested query, a tool awaited, a while loop and streaming, on the default model."""
     [_, tour, _], _ = lmq_blocks
     typed, streamed = tour.split("\n", 1)
-    kinds, line = typed.split(" ", 2)[:2], typed.split(" ", 2)[2]
+    *kinds, line = typed.split(" ", 2)
     assert kinds == ["int", "bool"] and line == line.strip() and line
     assert streamed.endswith("|") and streamed.replace("|", "").strip().isdigit()  # DAYS, token by token
 

@@ -41,20 +41,9 @@ class HostTier:
         """The segments held, least recently used first."""
         return iter(list(self._lru.values()))
 
-    def __contains__(self, name: tuple[int, str]) -> bool:
-        """`(start, key)`: is that segment here?"""
-        return name in self._lru
-
     def starts(self, start: int, token: int) -> bool:
         """Does any segment start at `start` with `token`?"""
         return (start, token) in self._by_head
-
-    def touch(self, name: tuple[int, str]) -> bool:
-        """Mark the segment `(start, key)` used; False if it is not here."""
-        if name not in self._lru:
-            return False
-        self._lru.move_to_end(name)
-        return True
 
     def covering(self, ids: np.ndarray, start: int) -> Segment | None:
         """A segment that holds the K/V of tokens [start, len(ids)) of `ids` (int32): it begins at or before

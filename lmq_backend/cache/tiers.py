@@ -98,7 +98,7 @@ class CacheTiers:
         warning."""
         try:
             tokens = len(node.ids)
-            if tokens < self.min_tokens or (self.host is None and self.disk is None):
+            if tokens < self.min_tokens:
                 return
             ids = np.asarray(prefix, dtype=np.int32)
             start = len(ids) - tokens
@@ -130,7 +130,8 @@ class CacheTiers:
             self._warn(e)
 
     def _to_disk(self, seg: Segment) -> None:
-        if self.disk is not None and seg.tokens >= self.min_tokens:
+        """A segment the host tier let go (one of `min_tokens` or more, as every segment it holds) to disk."""
+        if self.disk is not None:
             self.disk.write(seg, prefix_key(seg.ids[:seg.start]))
 
     def _down(self, ids: np.ndarray, start: int, slots: np.ndarray) -> Segment:
