@@ -1,10 +1,20 @@
 """N concurrent few-shot queries: throughput, K/V memory at peak against the K/V of the
 unique tokens, against plain HF `generate` on one left-padded batch of the same texts.
 
-Workload: one compiled query, a ~1,060-token shared few-shot prefix, each call's own ~25-token review, then
-a hole of up to 16 free tokens. All N calls run at once (`asyncio.gather`), after a warm-up with the same N.
+Workloads (`--workload`), each call a hole of up to 16 free tokens after its prompt; all N calls at once
+(`asyncio.gather`), after a warm-up round of the same N with other texts:
+  counter  one compiled query, a ~1,060-token shared few-shot prefix, each call's own ~25-token review (one
+           text with a 6-digit counter)
+  varied   the same query and prefix, each call's review of its own length and wording (about 12 to 110
+           tokens: `workloads.varied_reviews`)
+  mix      four queries with prefixes of their own (few-shot summaries, a support system prompt, few-shot
+           sentiment, few-shot translation: `workloads.MIX_TEMPLATES`), drawn at random per call, varied reviews
+With `--gpu-time`, one more round of the same N under torch's profiler sums the device's kernel and copy time:
+GPU ms a round, and the GPU's idle time a query (the unprofiled round's time less that, over N: the host's work
+the device waits for).
 
     GPU: python benchmarks/bench_concurrency.py --tokenizer DIR --shape llama-1b --n 64 256 1024
+         python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --workload mix --gpu-time --hf
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 4096 --kv-budget 8GB
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample    (sampled, T = 0.8)
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --sample --top-p 0.9   (and a nucleus)
@@ -31,8 +41,9 @@ import workloads as W  # noqa: E402
 import lmq_backend as lmq  # noqa: E402
 
 QUERY = '''{decoder}
-    "{{shots}}Review: {{review}}\\nSummary:[S]" where len(TOKENS(S)) < 17{where}
+    {line} where len(TOKENS(S)) < 17{where}
 '''
+TEMPLATES = W.MIX_TEMPLATES   # (counter and varied: the first alone)
 
 
 def reviews(n: int, start: int = 0) -> list[str]:
@@ -43,6 +54,21 @@ def reviews(n: int, start: int = 0) -> list[str]:
     return [f"{base[i % len(base)]} (visit {i:06d})" for i in range(start, start + n)]
 
 
+def workload_calls(workload: str, n: int, start: int) -> list[tuple[int, dict]]:
+    """n calls of `workload`: (query index, inputs), `start` making them differ from other rounds'."""
+    if workload == "counter":
+        return [(0, {"prefix": W.w1_shots(40), "review": r}) for r in reviews(n, start)]
+    if workload == "varied":
+        return [(0, {"prefix": W.w1_shots(40), "review": r}) for r in W.varied_reviews(n, seed=start)]
+    return W.mix_calls(n, seed=start)
+
+
+def prompt_of(call: tuple[int, dict]) -> str:
+    """The text a call's prompt renders to (for HF generate and the token counts)."""
+    line = TEMPLATES[call[0]][1]
+    return line[1:line.index("[S]")].replace("\\n", "\n").format(**call[1])
+
+
 def rss_gb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -51,11 +77,21 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-async def run_n(query, shots: str, texts: list[str]) -> float:
+async def run_n(queries, calls: list[tuple[int, dict]]) -> float:
     t = time.perf_counter()
-    results = await asyncio.gather(*(query(shots=shots, review=r) for r in texts))
-    assert len(results) == len(texts)
+    results = await asyncio.gather(*(queries[q](**inputs) for q, inputs in calls))
+    assert len(results) == len(calls)
     return time.perf_counter() - t
+
+
+def device_seconds(run) -> float:
+    """The device's kernel and copy time while `run()` runs (torch's profiler, CUDA activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e6
 
 
 def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample: bool = False) -> float:
@@ -94,6 +130,8 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --sample: the nucleus (1: none)")
     ap.add_argument("--where", default="", help="a constraint on S besides its length (REGEX, INT, S in [...])")
+    ap.add_argument("--workload", choices=["counter", "varied", "mix"], default="counter")
+    ap.add_argument("--gpu-time", action="store_true", help="one more round under the profiler: GPU ms a round")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,40 +153,49 @@ def main() -> None:
                                        kv_budget=args.kv_budget)
     lmq.register_backend("bench", backend)
     nucleus = f", top_p={args.top_p}" if args.top_p < 1 else ""
-    query = lmq.compile(QUERY.format(decoder=f"sample(temperature=0.8{nucleus})" if args.sample else "argmax",
-                                     where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
-    shots = W.w1_shots(40)
+    decoder = f"sample(temperature=0.8{nucleus})" if args.sample else "argmax"
+    where = f" and {args.where}" if args.where else ""
+    queries = [lmq.compile(QUERY.format(decoder=decoder, line=line, where=where) + 'from "bench"\n')
+               for _, line in (TEMPLATES if args.workload == "mix" else TEMPLATES[:1])]
     store = backend.store
     per_token = store.bytes_per_token
-    print(f"# {name} on {device}, {'sampled' + nucleus if args.sample else 'greedy'}{', where ' + args.where if args.where else ''}, "
-          f"max_batch {args.max_batch}, store {store.capacity * per_token / 1e9:.1f} GB "
-          f"({store.capacity} slots)")
-    print("| N | time | queries/s | K/V at peak | K/V of unique tokens | ratio | HF generate q/s | RSS growth |")
-    print("|---|---|---|---|---|---|---|---|")
-    start = 0
+    print(f"# {name} on {device}, workload {args.workload}, {'sampled' + nucleus if args.sample else 'greedy'}"
+          f"{', where ' + args.where if args.where else ''}, max_batch {args.max_batch}, "
+          f"store {store.capacity * per_token / 1e9:.1f} GB ({store.capacity} slots)")
+    gpu_cols = " GPU ms a round | GPU idle a query |" if args.gpu_time else ""
+    print(f"| N | time | queries/s | K/V at peak | K/V of unique tokens | ratio | HF generate q/s | RSS growth |{gpu_cols}")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|" * args.gpu_time)
+    start, seen = 0, set()
     for n in args.n:
-        texts = reviews(2 * n, start)
-        start += 2 * n
+        calls = workload_calls(args.workload, 3 * n, start)
+        start += 3 * n
+        warm, timed, profiled = calls[:n], calls[n:2 * n], calls[2 * n:]
         store.peak_used = store.used_slots
         before = store.used_slots
-        asyncio.run(run_n(query, shots, texts[:n]))         # warm-up: same N, fills the trie with the prefix
+        asyncio.run(run_n(queries, warm))         # warm-up: same N, fills the trie with the prefixes
         ahead, steps = run_ahead(backend), []
         backend.on_step(steps.append)
-        seconds = asyncio.run(run_n(query, shots, texts[n:]))
+        seconds = asyncio.run(run_n(queries, timed))
         backend.on_step(None)
         ahead = [b - a for a, b in zip(ahead, run_ahead(backend))]
-        # every token that was live: the prefix once, each call's review and answer (the trie keeps them)
-        prefix = len(tokenizer.encode(shots)) if not before else 0
-        own = sum(len(tokenizer.encode(f"Review: {r}\nSummary:")) + 16 for r in texts)
-        unique = (prefix + own) * per_token
+        # every token that was live: each prefix once, each call's own part and answer (the trie keeps them)
+        prefixes = {c[1]["prefix"] for c in warm + timed} - seen
+        seen |= prefixes
+        own = sum(len(tokenizer.encode(prompt_of(c))) - len(tokenizer.encode(c[1]["prefix"])) + 16
+                  for c in warm + timed)
+        unique = (sum(len(tokenizer.encode(p)) for p in prefixes) + own) * per_token
         store.peak_used -= before
         peak = store.peak_used * per_token
         hf = ""
         if args.hf:
-            prompts = [f"{shots}Review: {r}\nSummary:" for r in texts]
+            prompts = [prompt_of(c) for c in timed]
             hf = f"{n / hf_generate(plain, tokenizer, prompts, device, args.hf_chunk, args.sample):.0f}"
+        gpu = ""
+        if args.gpu_time:
+            busy = device_seconds(lambda: asyncio.run(run_n(queries, profiled)))
+            gpu = f" {busy * 1e3:.0f} | {max(seconds - busy, 0) / n * 1e6:.0f} us |"
         print(f"| {n} | {seconds:.2f} s | {n / seconds:.0f} | {peak / 1e9:.3f} GB | {unique / 1e9:.3f} GB | "
-              f"{peak / unique:.2f} | {hf} | {rss_gb() - rss0:.2f} GB |", flush=True)
+              f"{peak / unique:.2f} | {hf} | {rss_gb() - rss0:.2f} GB |{gpu}", flush=True)
         prefills = [s.batch_size for s in steps if s.kind == "prefill"]  # (the timed round's steps)
         print(f"#   {len(steps) - len(prefills)} decode steps, {len(prefills)} prefill steps (rows: at most "
               f"{max(prefills, default=0)}, median {sorted(prefills)[len(prefills) // 2] if prefills else 0})"

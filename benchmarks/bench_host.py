@@ -32,7 +32,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_concurrency as BC  # noqa: E402
-import workloads as W  # noqa: E402
 
 import lmq_backend as lmq  # noqa: E402
 from lmq_backend.engine import runner as runner_module  # noqa: E402
@@ -85,17 +84,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--where", default="", help="a constraint on S besides its length")
     ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
+    ap.add_argument("--workload", choices=["counter", "varied", "mix"], default="counter",
+                    help="bench_concurrency.py's workloads")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     backend = tiny_backend()
     lmq.register_backend("bench", backend)
-    query = lmq.compile(BC.QUERY.format(decoder="sample(temperature=0.8)" if args.sample else "argmax",
-                                        where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
+    queries = [lmq.compile(BC.QUERY.format(decoder="sample(temperature=0.8)" if args.sample else "argmax", line=line,
+                                           where=f" and {args.where}" if args.where else "") + 'from "bench"\n')
+               for _, line in (BC.TEMPLATES if args.workload == "mix" else BC.TEMPLATES[:1])]
     for name in ("decode", "prefill", "sample"):
         timed(runner_module.ModelRunner, name, "model")
     timed(picks_cpu, "masked_argmax", "model")  # the CPU's greedy picks (a GPU step makes them on the device)
     gc.callbacks.append(collector_seconds)
-    shots = W.w1_shots(40)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}; {'sampled' if args.sample else 'greedy'}"
           f"{', where ' + args.where if args.where else ''}; medians of {args.rounds} rounds")
@@ -103,13 +104,13 @@ def main() -> None:
     print("|---|---|---|---|---|")
     start = 0
     for n in args.n:
-        texts = BC.reviews((args.rounds + 1) * n, start)
+        calls = BC.workload_calls(args.workload, (args.rounds + 1) * n, start)
         start += (args.rounds + 1) * n
-        asyncio.run(BC.run_n(query, shots, texts[:n]))
+        asyncio.run(BC.run_n(queries, calls[:n]))
         rounds = []
         for r in range(1, args.rounds + 1):
             SPENT.clear()
-            seconds = asyncio.run(BC.run_n(query, shots, texts[r * n:(r + 1) * n]))
+            seconds = asyncio.run(BC.run_n(queries, calls[r * n:(r + 1) * n]))
             rounds.append((seconds, SPENT["model"], (seconds - SPENT["model"]) / n, SPENT["gc"] / n))
         total, model, host, collector = (statistics.median(x) for x in zip(*rounds))
         print(f"| {n} | {total:.3f} s | {model:.3f} s | {host * 1e6:.0f} us | {collector * 1e6:.0f} us |")

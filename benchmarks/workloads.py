@@ -61,6 +61,65 @@ def w1_reviews(n: int = 20, seed: int = 1) -> list[str]:
     return [f"{rng.choice(SUBJECTS)} {rng.choice(rng.choice(LABELS)[1])}." for _ in range(n)]
 
 
+# Varied calls (bench_concurrency --workload varied / mix): reviews that differ in length and wording, and a mix of
+# templates with prefixes of their own, as a server's traffic has (not one text with a counter).
+DETAILS = ["on a rainy Tuesday", "after a long flight", "with my two kids", "for our anniversary",
+           "during the holiday rush", "on the first day", "at about nine in the evening", "with a group of eight",
+           "despite the booking mix-up", "after reading the other reviews", "on a business trip", "in the end"]
+CONNECTORS = [" Also, ", " On the other hand, ", " To be fair, ", " Then ", " Honestly, ", " Later "]
+
+
+def varied_reviews(n: int, seed: int = 0) -> list[str]:
+    """n reviews of one to five sentences (about 12 to 110 tokens), each its own subjects, verdicts, details and
+    a number, so no two calls share more than a few words in a row."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        parts = []
+        for k in range(rng.choice([1, 1, 2, 2, 3, 4, 5])):
+            subject = rng.choice(SUBJECTS)
+            sentence = f"{subject if k == 0 else subject.lower()} {rng.choice(rng.choice(LABELS)[1])}"
+            if rng.random() < 0.6:
+                sentence += f" {rng.choice(DETAILS)}"
+            parts.append(sentence + ".")
+        text = parts[0] + "".join(rng.choice(CONNECTORS) + p for p in parts[1:])
+        out.append(f"{text} ({rng.randint(1, 5)} stars, order {rng.randint(100, 99999)})")
+    return out
+
+
+SUPPORT_SYSTEM = ("You are the customer support assistant of an online shop that sells kitchen appliances, "
+                  "phones and laptops. Answer in one short sentence. Be polite, never promise refunds, and point "
+                  "the customer to the returns page when something arrived broken. Ask for the order number when "
+                  "it is missing, and thank the customer for their patience when a delivery was late.\n\n")
+TRANSLATIONS = [("The delivery was late.", "La livraison était en retard."),
+                ("The coffee was excellent.", "Le café était excellent."),
+                ("Our waiter was very friendly.", "Notre serveur était très aimable."),
+                ("The hotel room was dirty.", "La chambre d'hôtel était sale."),
+                ("The concert was fine, nothing special.", "Le concert était correct, sans plus."),
+                ("This phone broke after two days.", "Ce téléphone est tombé en panne après deux jours.")]
+# (name, the query's one line: a prefix, the call's review, a hole S)
+MIX_TEMPLATES = [("summary", '"{prefix}Review: {review}\\nSummary:[S]"'),
+                 ("support", '"{prefix}Customer: {review}\\nAssistant:[S]"'),
+                 ("classify", '"{prefix}Review: {review}\\nSentiment:[S]"'),
+                 ("translate", '"{prefix}English: {review}\\nFrench:[S]"')]
+
+
+def mix_prefixes() -> list[str]:
+    """The prefixes of `MIX_TEMPLATES`, in order: W1's shots, a support system prompt, other shots, translations."""
+    translate = "Translate each customer review into French.\n\n" + "".join(
+        f"English: {en}\nFrench: {fr}\n\n" for en, fr in TRANSLATIONS * 3)
+    return [w1_shots(40, seed=1), SUPPORT_SYSTEM, w1_shots(30, seed=2), translate]
+
+
+def mix_calls(n: int, seed: int = 0) -> list[tuple[int, dict]]:
+    """n calls of the template mix: (template index, inputs), the template drawn at random per call, every review
+    from `varied_reviews`."""
+    rng = random.Random(seed)
+    prefixes = mix_prefixes()
+    return [(t, {"prefix": prefixes[t], "review": text})
+            for text in varied_reviews(n, seed=seed + 1) for t in [rng.randrange(len(MIX_TEMPLATES))]]
+
+
 W2_SYSTEM = ("You are a friendly travel assistant for a small agency in Lisbon. You answer briefly, in one "
              "or two sentences, and you always suggest one concrete place to visit. The customer is planning "
              "a week-long trip in late spring with two children aged eight and eleven, and prefers walking "
