@@ -165,15 +165,20 @@ class ModelRunner:
         self._sampled = None
         if self._decoder is not None:  # (new rows: a step run ahead is not the next step)
             self._decoder[0].discard_ahead()
-        logits: list[torch.Tensor | None] = [None] * len(rows)
+        parts: list[torch.Tensor] = []
+        order: list[int] = []  # the rows in the order of `parts`' rows
         slots: list[int] = [0] * len(rows)
         # room for every group at once: growing the pool group by group would copy it each time
         pool.make_room(pool.rows + len(rows), max(r.cached + len(r.ids) for r in rows), extra=2)
         for group in _length_groups([len(r.ids) for r in rows]):
             group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
-            for i, row_logits, slot in zip(group, group_logits, group_slots):
-                logits[i], slots[i] = row_logits, slot
-        stacked = torch.stack(logits)
+            parts.append(group_logits)
+            order += group
+            for i, slot in zip(group, group_slots):
+                slots[i] = slot
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if order != list(range(len(rows))):  # (one gather of [B, V], not B rows stacked)
+            stacked = stacked[torch.as_tensor(np.argsort(order), device=stacked.device)]
         self.picks = self._greedy_picks(stacked)
         self.ready = self._event()
         return stacked, slots
