@@ -24,8 +24,10 @@ invariants for tests.
 
 Memory: the store is allocated once at its full size (`capacity` slots) with `torch.empty`; on a CPU the
 operating system commits pages only when they are first written, and free slots are handed out lowest
-first, so a store sized for the worst case costs what is used. On a GPU the size is fixed up front (CUDA
-graphs capture its address).
+first, so a store sized for the worst case costs what is used. A first write to uncommitted pages costs a
+page fault a page (a fresh page zeroed): `touch(n)` commits the lowest slots' pages ahead of their use (a
+backend's load, for the slots a warm start from the disk tier fills). On a GPU the size is fixed up front
+(CUDA graphs capture its address).
 """
 from __future__ import annotations
 
@@ -69,6 +71,20 @@ class KVStore:
         # how many slots evicting every unpinned trie node would free
         self.evictable: Callable[[], int] | None = None
         self.peak_used = 0
+        self.touched = 1  # slots [0, touched) have their pages committed (`touch`)
+
+    def touch(self, n: int) -> int:
+        """Commit the pages of slots [0, n) (capped by the capacity) now, by writing zeros to them: a CPU store's
+        memory is committed at the first write, and a page fault a page costs more than the copy it interrupts.
+        Free slots only (their values are unused); on a GPU nothing (its memory is committed at allocation).
+        Returns the slots committed so far (`touched`)."""
+        n = min(int(n), self.capacity)
+        if self.device.type == "cpu" and n > self.touched:
+            owner = self.owner[self.touched:n]
+            assert ((owner == FREE) | (owner == RESERVED)).all(), "touch writes free slots only"
+            self.data[:, :, self.touched:n].zero_()
+            self.touched = n
+        return self.touched
 
     @property
     def capacity(self) -> int:
