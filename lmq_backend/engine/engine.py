@@ -54,14 +54,16 @@ class Engine:
 
     def _commit_warm_start_window(self) -> None:
         """A warm start copies the disk tier's K/V into the lowest free slots: on a CPU their pages are committed
-        now (`KVStore.touch`), not by page faults inside the process's first call. The window: the model's
-        largest file, within what the prefix cache may keep."""
+        now (`KVStore.touch`), not by page faults inside the process's first call, and as many beyond the
+        highest slot in use from then on (`KVStore.commit_ahead`: the next prefix loaded from disk). The window:
+        the model's largest file, within what the prefix cache may keep."""
         tiers = self.cache.tiers
         if tiers is None or tiers.disk is None or self.store.device.type != "cpu":
             return
         tokens = min(tiers.disk.most_tokens(), self.cache.budget_bytes // self.store.bytes_per_token)
         if tokens > 0:
             self.store.touch(1 + tokens)
+            self.store.commit_ahead(tokens * self.store.bytes_per_token)
 
     @property
     def device(self) -> torch.device:

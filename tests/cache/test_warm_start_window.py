@@ -81,3 +81,24 @@ async def test_a_backend_commits_the_window_its_warm_start_fills(model, tokenize
     assert (await q.run(calls[1])).prompt == reference[1]
     off = backend(disk_cache=None)
     assert off.store.touched == 1
+
+
+def test_commit_ahead_commits_beyond_the_slots_handed_out_and_writes_nothing():
+    import time
+
+    from lmq_backend.cache import pages
+
+    if not pages.available():
+        pytest.skip("no madvise here (not Linux)")
+    store = KVStore(*SHAPE, torch.float32, torch.device("cpu"), capacity=4096)
+    ahead = store.commit_ahead(100 * store.bytes_per_token)
+    slots = store.alloc(300)
+    store.data[:, :, slots] = 5.0  # a row writes its slots while the thread commits around them
+    deadline = time.monotonic() + 10
+    want = int(slots.max()) + 1 + 100  # the highest slot handed out, and 100 more
+    while ahead.committed < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ahead.committed == want
+    assert (store.data[:, :, slots] == 5).all()  # nothing written
+    store.close()
+    assert ahead.data is None  # the thread let the memory go
