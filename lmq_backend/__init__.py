@@ -9,7 +9,7 @@ from importlib import import_module
 
 _WHERE = {
     "lmq_backend.backend.protocol": ("Backend", "Sequence"),
-    "lmq_backend.backend.registry": ("get_backend", "register_backend"),
+    "lmq_backend.backend.registry": ("register_backend",),
     "lmq_backend.backend.hf": ("HFBackend",),
     "lmq_backend.cache.stats": ("CacheStats", "TemplateStats"),
     "lmq_backend.errors": (
@@ -19,6 +19,7 @@ _WHERE = {
     ),
     "lmq_backend.runtime.interpreter": ("Result",),
     "lmq_backend.runtime.query": ("Query", "compile", "query"),
+    "lmq_backend.runtime.ready": ("get_backend",),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 

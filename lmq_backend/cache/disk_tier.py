@@ -198,6 +198,12 @@ class DiskTier:
         """Could a file continue the prefix named `start_key` (has it a folder)? One stat."""
         return (self.model_folder / start_key).is_dir()
 
+    def most_tokens(self) -> int:
+        """At most how many tokens this model's largest file holds (from the files' sizes: one scan of the
+        model's folder, no file opened); 0 where it has none. What a warm start's first file may fill."""
+        largest = max((size for _, size, _ in _files(self.model_folder)), default=0)
+        return largest // (2 * int(np.prod(self.shape)) * self.element_size)
+
     # ----- reading --------------------------------------------------------------------------------------
 
     def find(self, ids32: np.ndarray, start: int, limit: int, past: int | None = None) -> tuple[Path | None, int]:

@@ -24,8 +24,11 @@ invariants for tests.
 
 Memory: the store is allocated once at its full size (`capacity` slots) with `torch.empty`; on a CPU the
 operating system commits pages only when they are first written, and free slots are handed out lowest
-first, so a store sized for the worst case costs what is used. On a GPU the size is fixed up front (CUDA
-graphs capture its address).
+first, so a store sized for the worst case costs what is used. A first write to uncommitted pages costs a
+page fault a page (a fresh page zeroed): `touch(n)` commits the lowest slots' pages ahead of their use (a
+backend's load, for the slots a warm start from the disk tier fills), and `commit_ahead(nbytes)` keeps that
+many bytes of slots committed beyond the highest slot handed out, in a thread (`pages.py`). On a GPU the size
+is fixed up front (CUDA graphs capture its address).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from .pages import CommitAhead
 
 LAYOUT_VERSION = 1  # of what a slot holds (above): K/V kept beyond a process (cache/disk_tier.py) is keyed by it
 FREE, ROW, TRIE, RESERVED = 0, 1, 2, 3
@@ -69,6 +74,29 @@ class KVStore:
         # how many slots evicting every unpinned trie node would free
         self.evictable: Callable[[], int] | None = None
         self.peak_used = 0
+        self.touched = 1  # slots [0, touched) have their pages committed (`touch`)
+        self._ahead: CommitAhead | None = None
+
+    def touch(self, n: int) -> int:
+        """Commit the pages of slots [0, n) (capped by the capacity) now, by writing zeros to them: a CPU store's
+        memory is committed at the first write, and a page fault a page costs more than the copy it interrupts.
+        Free slots only (their values are unused); on a GPU nothing (its memory is committed at allocation).
+        Returns the slots committed so far (`touched`)."""
+        n = min(int(n), self.capacity)
+        if self.device.type == "cpu" and n > self.touched:
+            owner = self.owner[self.touched:n]
+            assert ((owner == FREE) | (owner == RESERVED)).all(), "touch writes free slots only"
+            self.data[:, :, self.touched:n].zero_()
+            self.touched = n
+        return self.touched
+
+    def commit_ahead(self, nbytes: int) -> CommitAhead | None:
+        """(CPU) From now on keep about `nbytes` of slots committed beyond the highest slot handed out, in a
+        thread that writes nothing (`pages.CommitAhead`, returned; None on a GPU): a copy into slots never used
+        before (a prefix loaded from the disk tier) then takes no page faults."""
+        if self.device.type == "cpu" and self._ahead is None and nbytes >= self.bytes_per_token:
+            self._ahead = CommitAhead(self.data, nbytes // self.bytes_per_token, committed=self.touched)
+        return self._ahead
 
     @property
     def capacity(self) -> int:
@@ -76,6 +104,9 @@ class KVStore:
 
     def close(self) -> None:
         """Give the memory back (the backend was closed): an empty store with no slot to hand out."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         layers, _, _, heads, head_dim = self.data.shape
         self.data = self.data.new_empty((layers, 2, 0, heads, head_dim))
         self.owner, self._free, self._n_free = self.owner[:0], self._free[:0], 0
@@ -113,6 +144,8 @@ class KVStore:
         self._n_free = top - n
         self.owner[slots] = ROW
         self.peak_used = max(self.peak_used, self.used_slots)
+        if self._ahead is not None:
+            self._ahead.reach(int(slots[-1]) + 1)  # (ascending)
         return slots
 
     def free(self, slots: np.ndarray) -> None:

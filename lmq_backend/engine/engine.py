@@ -50,6 +50,20 @@ class Engine:
         self.store = self.runner.new_store(default_kv_budget(self.runner.device) if kv_budget is None else kv_budget)
         self.cache = PrefixCache(self.store, cache_budget, tiers)
         self.scheduler = Scheduler(self.runner, self.store, self.cache)
+        self._commit_warm_start_window()
+
+    def _commit_warm_start_window(self) -> None:
+        """A warm start copies the disk tier's K/V into the lowest free slots: on a CPU their pages are committed
+        now (`KVStore.touch`), not by page faults inside the process's first call, and as many beyond the
+        highest slot in use from then on (`KVStore.commit_ahead`: the next prefix loaded from disk). The window:
+        the model's largest file, within what the prefix cache may keep."""
+        tiers = self.cache.tiers
+        if tiers is None or tiers.disk is None or self.store.device.type != "cpu":
+            return
+        tokens = min(tiers.disk.most_tokens(), self.cache.budget_bytes // self.store.bytes_per_token)
+        if tokens > 0:
+            self.store.touch(1 + tokens)
+            self.store.commit_ahead(tokens * self.store.bytes_per_token)
 
     @property
     def device(self) -> torch.device:
