@@ -288,10 +288,24 @@ def _preload(spec: str, kwargs: dict) -> None:
 
 
 def main() -> None:
+    """The model process. LMQ_LMQL_PROFILE=FILE: its event loop runs under cProfile, whose statistics are
+    written to FILE (`pstats`) when the parent goes."""
     spec, inbox_fd, outbox_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     inbox, outbox = Connection(inbox_fd, writable=False), Connection(outbox_fd, readable=False)
+    profile_to = os.environ.get("LMQ_LMQL_PROFILE")
     try:
-        asyncio.run(_serve(spec, inbox, outbox))
+        if profile_to:
+            import cProfile
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (the parent's atexit ends the process)
+            profiler = cProfile.Profile()
+            try:
+                profiler.runcall(asyncio.run, _serve(spec, inbox, outbox))
+            finally:
+                profiler.dump_stats(profile_to)
+        else:
+            asyncio.run(_serve(spec, inbox, outbox))
     finally:
         os._exit(0)  # LMQL's scheduler threads are not daemons everywhere
 
