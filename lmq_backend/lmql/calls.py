@@ -201,15 +201,16 @@ class _BiasSampler(Sampler):
                 row = torch.full((len(logits),), float("-inf"), device=device)
                 row[ids] = biased
                 token = self.inner.select(row, None)
-            scores = _LogProbs(torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32), m.ids, m.bias.numel())
+            ids_scored = m.ids
         else:
             bias, mask = m.dense_on(device)
             if allowed is not None:
                 mask = mask & allowed.to(device)
             biased = (logits.float() + bias).masked_fill(~mask, float("-inf"))
             token = self.inner.select(biased, None)
-            scores = _LogProbs(torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32), None, m.bias.numel())
-        self.batch.push(self.row, token, scores)
+            ids_scored = None
+        scores = torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32)
+        self.batch.push(self.row, token, _LogProbs(scores, ids_scored, m.bias.numel()))
         return token
 
 
