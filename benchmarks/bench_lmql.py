@@ -10,7 +10,9 @@ with the same model (the default SmolLM2-135M folder, no hub), in one run, calls
 prints per-call medians, lmq's ratio to lmq's own language, the same for
 `--gathered` calls at once (amortized), and the answers' agreement (greedy). Then lmq alone in-process
 (`async_transport=True`, where its trie statistics can be read), with one token per call under a choice's
-mask (lmq's default) and with LMQL's 16-token speculative chunk (`mask_chunk=16`).
+mask (lmq's default) and with LMQL's 16-token speculative chunk (`mask_chunk=16`). Last, LMQL's own floor:
+the same query and calls against a `local:lmq:default` model process that answers every call at once (its
+first allowed token, no model work), one at a time and gathered: LMQL's client alone.
 
     python benchmarks/bench_lmql.py [--calls 10] [--gathered 20] [--no-peer]
 """
@@ -32,6 +34,7 @@ import torch  # noqa: E402
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402
+import lmq_backend.lmql.process as lmq_process  # noqa: E402
 from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
 
 W1_LMQL = '''
@@ -103,8 +106,47 @@ async def main(calls: int, gathered: int, peer: bool) -> None:
         print(f"  lmq in-process, mask_chunk={chunk:2d}: median {statistics.median(t_in):.3f} s/call; trie: "
               f"{s.tokens_reused}/{s.tokens_requested} prompt tokens reused (hit rate {s.token_hit_rate:.1%}), "
               f"{s.tokens_prefilled} prefilled, {s.tokens_decoded} decoded; same answers: {a_in == answers['lmq']}")
+    await client_floor(shots, reviews, gathered, med["own"])
+    print(f"  load average at the end {os.getloadavg()[0]:.1f}")
     if (peer and answers["lmql-hf"] != answers["lmq"]) or any(a != answers["lmq"] for a in in_process.values()):
         sys.exit("answers differ")
+
+
+async def client_floor(shots: str, reviews: list[str], gathered: int, own: float) -> None:
+    """LMQL's client alone: the W1 calls through `local:lmq:default` whose every GENERATE is answered at once
+    with its most-biased token (the model process is asked nothing else either)."""
+
+    async def instant(self, cmd: str, payload: dict, until_first: bool = False):
+        if cmd == "GENERATE":
+            bias = payload.get("logit_bias") or {0: 0.0}
+            token = max(bias, key=bias.get)
+            yield {"token": token, "logprob": 0.0, "finish_reason": "length", "top_logprobs": {token: 0.0}}
+        elif cmd == "SCORE":
+            for j, t in enumerate(payload["scored"]):
+                yield {"token": t, "logprob": 0.0, "finish_reason": "stop" if j == len(payload["scored"]) - 1 else None}
+        else:
+            async for item in real(self, cmd, payload, until_first):
+                yield item
+
+    real = lmq_process.ProcessHandle._stream
+    lmq_process.ProcessHandle._stream = instant
+    try:
+        q = lmql.query(W1_LMQL, model=lmql.model("local:lmq:default"))
+        await q(shots=shots, review="warm-up")
+        times = []
+        for review in reviews:
+            t = time.perf_counter()
+            await q(shots=shots, review=review)
+            times.append(time.perf_counter() - t)
+        line = f"  LMQL's client alone (a model that answers at once): median {statistics.median(times):.4f} s/call " \
+               f"({statistics.median(times) / own:.2f} of lmq's own call)"
+        if gathered:
+            t = time.perf_counter()
+            await asyncio.gather(*(q(shots=shots, review=r) for r in W.w1_reviews(gathered, seed=30)))
+            line += f"; {gathered} at once {(time.perf_counter() - t) / gathered:.4f} s/call amortized"
+        print(line)
+    finally:
+        lmq_process.ProcessHandle._stream = real
 
 
 if __name__ == "__main__":

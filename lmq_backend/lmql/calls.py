@@ -14,10 +14,13 @@ Concurrent calls then batch in lmq's scheduler as lmq's own queries do.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 import threading
 import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +32,8 @@ from ..runtime.constraints import Stop
 from ..runtime.decoders import Greedy, Sampler, Sampling
 
 MASK_RANGE = 50.0  # a token whose LMQL bias lies this far below the row's largest bias is disallowed
+SPARSE = 4096     # an allow-list of at most this many tokens is picked from and scored on those tokens alone
+MASKS = 64        # distinct biases whose masks a model keeps (least recently used dropped first)
 
 
 # ----- one event loop for all LMQL calls in this process --------------------------------------------
@@ -68,6 +73,80 @@ async def _gather(coros) -> None:
 
 # ----- one generate() call: LMQL's bias as a hole constraint, tokens streamed as whole-batch steps -----
 
+@dataclass(slots=True, eq=False)
+class _Mask:
+    """LMQL's logit bias of a row, converted once per distinct bias (`LMQLCalls.mask`). `bias` [V] float32 is
+    added to the logits; `allowed` [V] bool (`allowed_np` its read-only numpy view, which the engine's masks
+    memoize by identity) are the tokens within MASK_RANGE of the largest bias; `ids` the allowed tokens in
+    increasing order where there are at most SPARSE of them (else None), `bias_at_ids` their biases."""
+
+    bias: torch.Tensor
+    allowed: torch.Tensor
+    allowed_np: np.ndarray
+    can_end: bool
+    n_allowed: int
+    ids: np.ndarray | None
+    bias_at_ids: torch.Tensor | None
+    _on: dict = field(default_factory=dict)  # device -> (ids, bias_at_ids) there, or (bias, allowed) there
+
+    @classmethod
+    def of(cls, dense: torch.Tensor, special: np.ndarray) -> "_Mask":
+        allowed = dense >= dense.max() - MASK_RANGE
+        allowed_np = allowed.numpy()
+        allowed_np.flags.writeable = False
+        n = int(allowed_np.sum())
+        ids = np.flatnonzero(allowed_np) if n <= SPARSE else None
+        return cls(dense, allowed, allowed_np, bool(allowed_np[special].any()), n, ids,
+                   dense[torch.from_numpy(ids)] if ids is not None else None)
+
+    def sparse_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids int64, their biases float32) on `device`."""
+        key = ("sparse", device)
+        if key not in self._on:
+            self._on[key] = (torch.from_numpy(self.ids).to(device), self.bias_at_ids.to(device))
+        return self._on[key]
+
+    def dense_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bias, allowed) [V] on `device`."""
+        key = ("dense", device)
+        if key not in self._on:
+            self._on[key] = (self.bias.to(device), self.allowed.to(device))
+        return self._on[key]
+
+
+@dataclass(slots=True, eq=False)
+class _LogProbs:
+    """A pick's log-probabilities over a vocabulary of `size` tokens: `values` at the tokens `ids` (increasing;
+    -inf at every other token), or `values` [size] where `ids` is None."""
+
+    values: np.ndarray
+    ids: np.ndarray | None
+    size: int
+
+    def at(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.values[token])
+        k = int(np.searchsorted(self.ids, token))
+        return float(self.values[k]) if k < len(self.ids) and self.ids[k] == token else float("-inf")
+
+    def dense(self) -> np.ndarray:
+        if self.ids is None:
+            return self.values
+        out = np.full(self.size, -np.inf, dtype=np.float32)
+        out[self.ids] = self.values
+        return out
+
+    def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k largest (values, token ids), largest first, as LMQL's `nputil.topk(sorted=True)` gives them."""
+        from lmql.utils.nputil import topk
+
+        if self.ids is None or k > len(self.ids):
+            values, indices = topk(self.dense()[None], k, sorted=True, axis=-1)
+            return values[0], indices[0]
+        values, at = topk(self.values[None], k, sorted=True, axis=-1)
+        return values[0], self.ids[at[0]]
+
+
 class _BiasState:
     """A HoleState (see runtime/constraints.py) for one row: the tokens LMQL's bias allows, ending where
     it allows a special token (EOS), a Stop after max_new_tokens."""
@@ -101,21 +180,37 @@ class _BiasState:
 
 class _BiasSampler(Sampler):
     """Adds LMQL's bias to the logits, keeps the pick inside the allowed tokens and reports every pick
-    (with its log-probabilities, as LMQL's streamer wants them) to the batch."""
+    (with its log-probabilities, as LMQL's streamer wants them) to the batch. An allow-list of at most
+    SPARSE tokens is read, picked from and scored on those tokens alone; a greedy pick is the first maximal
+    biased logit either way, a sampled one draws from the same [V] row either way."""
 
-    def __init__(self, inner: Sampler, bias: torch.Tensor, allowed: torch.Tensor, batch: "_Batch | _Stream",
-                 row: int):
-        self.inner, self.bias, self.allowed, self.batch, self.row = inner, bias, allowed, batch, row
+    def __init__(self, inner: Sampler, mask: _Mask, batch: "_Batch | _Stream", row: int):
+        self.inner, self.mask, self.batch, self.row = inner, mask, batch, row
+        self.greedy = type(inner) is Greedy and inner.knobs is None
 
     def select(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        if self.bias.device != logits.device:
-            self.bias, self.allowed = self.bias.to(logits.device), self.allowed.to(logits.device)
-        mask = self.allowed
-        if allowed is not None:  # the engine narrows to value tokens while the hole cannot end
-            mask = mask & allowed.to(logits.device)
-        biased = (logits.float() + self.bias).masked_fill(~mask, float("-inf"))
-        token = self.inner.select(biased, None)
-        self.batch.push(self.row, token, torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32))
+        m, device = self.mask, logits.device
+        if m.ids is not None:
+            ids, bias = m.sparse_on(device)
+            biased = logits[ids].float() + bias
+            if allowed is not None:  # the engine narrows to value tokens while the hole cannot end
+                biased = biased.masked_fill(~allowed.to(device)[ids], float("-inf"))
+            if self.greedy:
+                token = int(m.ids[int(torch.argmax(biased))])
+            else:
+                row = torch.full((len(logits),), float("-inf"), device=device)
+                row[ids] = biased
+                token = self.inner.select(row, None)
+            ids_scored = m.ids
+        else:
+            bias, mask = m.dense_on(device)
+            if allowed is not None:
+                mask = mask & allowed.to(device)
+            biased = (logits.float() + bias).masked_fill(~mask, float("-inf"))
+            token = self.inner.select(biased, None)
+            ids_scored = None
+        scores = torch.log_softmax(biased, dim=-1).cpu().numpy().astype(np.float32)
+        self.batch.push(self.row, token, _LogProbs(scores, ids_scored, m.bias.numel()))
         return token
 
 
@@ -134,9 +229,9 @@ class _Batch:
         self.pad_scores = np.full(len(special), -np.inf, dtype=np.float32)
         self.pad_scores[eos] = 0.0
 
-    def push(self, row: int, token: int, scores: np.ndarray) -> None:
+    def push(self, row: int, token: int, scores: _LogProbs) -> None:
         self.tokens[row].append(int(token))
-        self.scores[row].append(scores)
+        self.scores[row].append(scores.dense())
         self._emit()
 
     def finish(self, row: int) -> None:
@@ -190,10 +285,10 @@ class _Stream:
     def __init__(self, emit, eos: int, special: np.ndarray, max_new_tokens: int, top_logprobs: int):
         self.emit, self.eos, self.special, self.max_new_tokens = emit, eos, special, max_new_tokens
         self.top_logprobs = max(1, int(top_logprobs))
-        self.held: tuple[int, np.ndarray] | None = None
+        self.held: tuple[int, _LogProbs] | None = None
         self.n = 0
 
-    def push(self, row: int, token: int, scores: np.ndarray) -> None:
+    def push(self, row: int, token: int, scores: _LogProbs) -> None:
         if self.held is not None:
             self._send(*self.held, last=False)
         self.held, self.n = (int(token), scores), self.n + 1
@@ -202,19 +297,15 @@ class _Stream:
         if self.held is None or (not self.special[self.held[0]] and self.n < self.max_new_tokens):
             if self.held is not None:   # the engine ended the row without a pick (only special tokens allowed)
                 self._send(*self.held, last=False)
-            pad = np.full(len(self.special), -np.inf, dtype=np.float32)
-            pad[self.eos] = 0.0
-            self.held = (self.eos, pad)
+            self.held = (self.eos, _LogProbs(np.zeros(1, dtype=np.float32), np.array([self.eos]), len(self.special)))
         self._send(*self.held, last=True)
 
-    def _send(self, token: int, scores: np.ndarray, last: bool) -> None:
-        from lmql.utils.nputil import topk
-
-        values, indices = topk(scores[None], self.top_logprobs, sorted=True, axis=-1)
-        score = float(scores[token])
+    def _send(self, token: int, scores: _LogProbs, last: bool) -> None:
+        values, indices = scores.top(self.top_logprobs)
+        score = scores.at(token)
         self.emit({"token": token, "logprob": score,
                    "finish_reason": "stop" if token == self.eos else "length" if last else None,
-                   "top_logprobs": {token: score, **{int(i): float(v) for v, i in zip(values[0], indices[0])}}})
+                   "top_logprobs": {token: score, **{int(i): float(v) for v, i in zip(values, indices)}}})
 
 
 # ----- the calls -------------------------------------------------------------------------------------
@@ -227,6 +318,8 @@ class LMQLCalls:
         vocab = backend.vocab
         eos = getattr(vocab.tokenizer, "eos_token_id", None)
         self.eos_token_id = int(eos if eos is not None else min(vocab.eos_ids))
+        self._masks: OrderedDict[tuple, _Mask] = OrderedDict()  # a bias's key -> its mask (`mask`)
+        self._masks_lock = threading.Lock()  # (LMQL's scheduler thread and the plugin's loop both convert)
 
     def generate(self, input_ids, attention_mask, temperature, max_new_tokens, bias_tensor, streamer,
                  **kwargs) -> LMTPModelResult:
@@ -235,8 +328,8 @@ class LMQLCalls:
         top_p = float(kwargs.pop("top_p", 1.0))
         if kwargs:
             warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
-        masks = [self._mask(b) for b in (bias_tensor if bias_tensor is not None else [None] * len(input_ids))]
-        if all(int(allowed.sum()) < self.backend.vocab.size // 2 for _, allowed, _ in masks):
+        masks = [self.mask(b) for b in (bias_tensor if bias_tensor is not None else [None] * len(input_ids))]
+        if all(m.n_allowed < self.backend.vocab.size // 2 for m in masks):
             # LMQL keys the tokens of a call by the allow-list of its first step; the next step has
             # another (a choice's next prefix, EOS), so tokens generated under this one go unused
             max_new_tokens = min(max_new_tokens, self.mask_chunk)
@@ -256,8 +349,8 @@ class LMQLCalls:
         top_p = float(kwargs.pop("top_p", 1.0))
         if kwargs:
             warnings.warn(f"lmq: ignoring LMQL decoding arguments {sorted(kwargs)}")
-        mask = self._mask(logit_bias)
-        if int(mask[1].sum()) < self.backend.vocab.size // 2:   # see `generate`
+        mask = self.mask(logit_bias)
+        if mask.n_allowed < self.backend.vocab.size // 2:   # see `generate`
             max_new_tokens = min(max_new_tokens, self.mask_chunk)
         stream = _Stream(emit, self.eos_token_id, self.backend.vocab.special, max_new_tokens, top_logprobs)
         inner = Greedy() if temperature == 0 else Sampling(temperature, top_p)
@@ -280,29 +373,45 @@ class LMQLCalls:
         for j, (token, lp) in enumerate(zip(scored, lps)):
             emit({"token": int(token), "logprob": lp, "finish_reason": "stop" if j == len(scored) - 1 else None})
 
-    def _mask(self, bias) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """LMQL's logit bias of a row (a {token: value} dict, or a dense row) as (additive bias, allowed,
-        can_end). LMQL masks with +100 on an allow-list or -100 on a deny-list."""
+    def mask(self, bias) -> _Mask:
+        """LMQL's logit bias of a row (a {token: value} dict, a dense row, or None) as a `_Mask`, made once per
+        distinct bias: LMQL masks with +100 on an allow-list or -100 on a deny-list, and a query's calls
+        repeat a few of them (a choice's first tokens, EOS)."""
+        if isinstance(bias, dict):
+            key = ("dict", frozenset(bias.items()))
+        elif bias is not None:
+            bias = np.asarray(bias, dtype=np.float32)
+            key = ("row", hashlib.blake2b(bias.tobytes(), digest_size=16).digest())
+        else:
+            key = ("none",)
+        with self._masks_lock:
+            mask = self._masks.get(key)
+            if mask is not None:
+                self._masks.move_to_end(key)
+                return mask
         vocab = self.backend.vocab
         dense = torch.zeros(vocab.size, dtype=torch.float32)
         if isinstance(bias, dict):
             if bias:
                 dense[torch.tensor([int(k) for k in bias])] = torch.tensor([float(v) for v in bias.values()])
         elif bias is not None:
-            b = torch.as_tensor(np.asarray(bias, dtype=np.float32))[: vocab.size]
+            b = torch.from_numpy(bias)[: vocab.size]
             dense[: len(b)] = b
-        allowed = dense >= dense.max() - MASK_RANGE
-        return dense, allowed, bool(allowed.numpy()[vocab.special].any())
+        mask = _Mask.of(dense, vocab.special)
+        with self._masks_lock:
+            self._masks[key] = mask
+            while len(self._masks) > MASKS:
+                self._masks.popitem(last=False)
+        return mask
 
-    async def _generate_row(self, batch: "_Batch | _Stream", row: int, ids: list[int], mask, inner: Sampler,
-                            max_new_tokens: int) -> None:
+    async def _generate_row(self, batch: "_Batch | _Stream", row: int, ids: list[int], mask: _Mask,
+                            inner: Sampler, max_new_tokens: int) -> None:
         backend = self.backend
-        dense, allowed, can_end = mask
-        state = _BiasState(allowed.numpy(), can_end, max_new_tokens, backend.vocab)
+        state = _BiasState(mask.allowed_np, mask.can_end, max_new_tokens, backend.vocab)
         seq = backend.sequence(template="lmql", max_len=1 << 30)
         seq.ids = ids
         try:
-            await backend.generate(seq, state, _BiasSampler(inner, dense, allowed, batch, row))
+            await backend.generate(seq, state, _BiasSampler(inner, mask, batch, row))
         finally:
             backend.release(seq)
         batch.finish(row)

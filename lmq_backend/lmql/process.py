@@ -251,25 +251,28 @@ async def _serve(spec: str, inbox: Connection, outbox: Connection) -> None:
     loop = asyncio.get_running_loop()
     closed = loop.create_future()
 
-    def take(message) -> None:  # (on the loop) a call starts at once: calls sent together batch together
-        if message[0] == "ARGUMENTS":
-            _, key, kwargs = message
-            if not argument_sets:
-                threading.Thread(target=_preload, args=(spec, dict(kwargs)), daemon=True).start()
-            argument_sets[key] = ArgumentSet(kwargs, send)
-        else:
-            key, cmd, payload = message
-            task = asyncio.ensure_future(argument_sets[key].handle(cmd, payload))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    def take(messages: list) -> None:  # (on the loop) calls start at once, those that came together in one
+        for message in messages:           # loop iteration: their prefills go into the engine's next step together
+            if message[0] == "ARGUMENTS":
+                _, key, kwargs = message
+                if not argument_sets:
+                    threading.Thread(target=_preload, args=(spec, dict(kwargs)), daemon=True).start()
+                argument_sets[key] = ArgumentSet(kwargs, send)
+            else:
+                key, cmd, payload = message
+                task = asyncio.ensure_future(argument_sets[key].handle(cmd, payload))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
 
-    def read() -> None:  # (a thread) every message reaches the loop as soon as it arrives, not one per step
-        while True:
+    def read() -> None:  # (a thread) every message reaches the loop as soon as it arrives, not one per step, with
+        while True:      # every other message already in the pipe
             try:
-                message = inbox.recv()
+                messages = [inbox.recv()]
+                while inbox.poll():
+                    messages.append(inbox.recv())
             except (EOFError, OSError):
                 break
-            loop.call_soon_threadsafe(take, message)
+            loop.call_soon_threadsafe(take, messages)
         loop.call_soon_threadsafe(lambda: closed.done() or closed.set_result(None))
 
     threading.Thread(target=read, name="lmq-model-process-inbox", daemon=True).start()
@@ -288,10 +291,24 @@ def _preload(spec: str, kwargs: dict) -> None:
 
 
 def main() -> None:
+    """The model process. LMQ_LMQL_PROFILE=FILE: its event loop runs under cProfile, whose statistics are
+    written to FILE (`pstats`) when the parent goes."""
     spec, inbox_fd, outbox_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     inbox, outbox = Connection(inbox_fd, writable=False), Connection(outbox_fd, readable=False)
+    profile_to = os.environ.get("LMQ_LMQL_PROFILE")
     try:
-        asyncio.run(_serve(spec, inbox, outbox))
+        if profile_to:
+            import cProfile
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (the parent's atexit ends the process)
+            profiler = cProfile.Profile()
+            try:
+                profiler.runcall(asyncio.run, _serve(spec, inbox, outbox))
+            finally:
+                profiler.dump_stats(profile_to)
+        else:
+            asyncio.run(_serve(spec, inbox, outbox))
     finally:
         os._exit(0)  # LMQL's scheduler threads are not daemons everywhere
 

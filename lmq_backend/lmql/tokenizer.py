@@ -8,6 +8,12 @@ interface and gives the same answers for folders whose tokenizer transformers it
 default model has, with nothing for transformers to add or patch: `_as_loaded`): ids, tokens, decoding,
 special ids and vocabulary read from the same tokenizer.json.
 Any other folder (or tokenizer arguments) keeps LMQL's own path (`for_folder` returns None).
+
+LMQL tokenizes every prompt whole, and in lmq's plugin its ids travel as the decimal strings of the ids
+("token bytes" of `decode_tokens_bytes`, read back by `convert_token_bytes_to_ids`). A few-shot prompt
+recurs with a new tail, so its ids come from lmq's prefix encoder (`text/prefix_encode.py`: exactly the
+tokenizer's ids, without tokenizing a prefix seen before) where it takes the tokenizer, and the id <->
+string tables are made once.
 """
 from __future__ import annotations
 
@@ -69,17 +75,42 @@ class LMQTokenizer:
         self._bos = self._id(config.get("bos_token"))
         self._eos = self._id(config.get("eos_token"))
         self._recent: dict[tuple[str, bool], list[int]] = {}
+        self._tables: tuple | None = None
+        self._start_tables()
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """The ids of `text`, from the last RECENT texts' where it is one of them."""
         key = (text, bool(add_special_tokens))
         ids = self._recent.get(key)
         if ids is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            encoder = self._prefix_encoder() if not add_special_tokens else None
+            ids = encoder.encode(text) if encoder else \
+                self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
             if len(self._recent) >= RECENT:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[key] = ids
         return list(ids)
+
+    def _prefix_encoder(self):
+        """lmq's prefix encoder of this tokenizer (False: it takes none), made at the first call."""
+        return self._made()[0]
+
+    def _made(self) -> tuple:
+        """(prefix encoder or False, id -> token string bytes list, token string bytes -> id dict), made once
+        (`_start_tables` begins it on a thread when the tokenizer loads)."""
+        if self._tables is None:
+            with self._tables_lock:
+                if self._tables is None:
+                    self._tables = _tables(self.tokenizer)
+        return self._tables
+
+    def _start_tables(self) -> None:
+        """Make the tables on a thread: LMQL loads the tokenizer as its first call starts the model process,
+        which takes far longer."""
+        import threading
+
+        self._tables_lock = threading.Lock()
+        threading.Thread(target=self._made, name="lmq-lmql-tokenizer-tables", daemon=True).start()
 
     def _id(self, value) -> int | None:
         text = _token(value)
@@ -98,6 +129,8 @@ class LMQTokenizer:
         self._bpe = type(self.tokenizer.model).__name__ == "BPE"
         self._bos, self._eos = state["bos"], state["eos"]
         self._recent = {}
+        self._tables = None
+        self._start_tables()
 
     # ----- what LMQL calls ------------------------------------------------------------------------------
 
@@ -107,7 +140,11 @@ class LMQTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
 
     def decode_tokens_bytes(self, ids):
-        return [f"{i}".encode("utf-8") for i in ids]
+        table = self._made()[1]
+        try:
+            return [table[i] for i in ids]
+        except (IndexError, TypeError):  # (an id outside the vocabulary, or not an int)
+            return [f"{i}".encode("utf-8") for i in ids]
 
     def decode(self, ids, clean_up_tokenization_spaces=None):
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -120,7 +157,11 @@ class LMQTokenizer:
         return self.decode(self.convert_token_bytes_to_ids(token_bytes))
 
     def convert_token_bytes_to_ids(self, tokens):
-        return [int(t.decode("utf-8")) for t in tokens]
+        table = self._made()[2]
+        try:
+            return [table[t] for t in tokens]
+        except KeyError:
+            return [int(t.decode("utf-8")) for t in tokens]
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": self._ids(text, add_special_tokens)}
@@ -154,6 +195,37 @@ class LMQTokenizer:
 
     def backend(self):
         return "tokenizers (lmq)"
+
+
+class _Backed:
+    """What the prefix encoder reads of a transformers tokenizer (its Rust `backend_tokenizer`), for a bare one."""
+
+    def __init__(self, tokenizer):
+        self.backend_tokenizer = tokenizer
+
+
+def _tables(tokenizer) -> tuple:
+    """`LMQTokenizer._made`'s tables for a `tokenizers.Tokenizer`."""
+    from ..text.prefix_encode import PrefixEncoder
+
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    encoder = PrefixEncoder.for_tokenizer(_Backed(tokenizer), _n_bytes(tokenizer, n)) or False
+    as_bytes = [f"{i}".encode("utf-8") for i in range(n)]
+    return encoder, as_bytes, {b: i for i, b in enumerate(as_bytes)}
+
+
+def _n_bytes(tokenizer, n: int) -> list[int]:
+    """The UTF-8 bytes each of the n ids spells in text, for a byte-level BPE tokenizer (the only kind the prefix
+    encoder takes): a character of the byte-level alphabet is one byte (the encoder counts added tokens'
+    contents itself)."""
+    from ..text.token_bytes import bytes_to_unicode
+
+    alphabet = "".join(bytes_to_unicode().values())
+    out = [0] * n
+    for piece, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < n:
+            out[i] = len(piece) if not piece.strip(alphabet) else len(piece.encode("utf-8"))
+    return out
 
 
 def _plain(tokenizer):

@@ -19,6 +19,7 @@ import lmql
 
 import lmq_backend  # noqa: E402
 import lmq_backend.lmql.plugin as lmq_lmql  # noqa: E402
+from lmq_backend.runtime.decoders import Greedy, Sampling  # noqa: E402
 from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -235,6 +236,49 @@ async def test_mask_chunk_gives_the_same_answers(backend):
     q1 = lmql.query(body, model=lmq_lmql.model("lmql-test", async_transport=True))
     q16 = lmql.query(body, model=lmq_lmql.model("lmql-test", async_transport=True, mask_chunk=16))
     assert await q1(review=REVIEWS[1]) == await q16(review=REVIEWS[1]) == (" negative", 1)
+
+
+def test_an_allow_list_picks_and_scores_as_the_whole_vocabulary(backend):
+    """A row whose bias allows a few tokens is picked from and scored on those alone: the same greedy token
+    (the first of tied maxima), the same sampled token for the same draw, and the log-probabilities of the
+    whole [V] row, with and without the engine narrowing the allowed tokens; a bias's mask is made once."""
+    from dataclasses import replace
+
+    from lmq_backend.lmql.calls import LMQLCalls, _BiasSampler
+
+    calls = LMQLCalls(backend)
+    V = backend.vocab.size
+    g = torch.Generator().manual_seed(3)
+    eos = calls.eos_token_id
+    for bias in ({5: 100.0, 900: 100.0, 17000: 100.0, 40000: 100.0}, {12: 100.0, 13: 100.0, eos: 100.0},
+                 {7: 100.0, 8: 99.0, 9: 30.0}):
+        mask = calls.mask(bias)
+        assert calls.mask(dict(reversed(bias.items()))) is mask and mask.ids is not None
+        whole = replace(mask, ids=None, bias_at_ids=None, _on={})  # the same mask, picked over [V]
+        for trial in range(6):
+            logits = torch.randn(V, generator=g) * 4
+            if trial % 2:  # tied maxima among the allowed tokens: the first one is the pick
+                logits[mask.ids] = logits[mask.ids].max()
+            narrowed = None if trial < 3 else torch.from_numpy(mask.allowed_np.copy())
+            if narrowed is not None:
+                narrowed[int(mask.ids[0])] = False
+            picks = []
+            for m in (mask, whole):
+                for inner in (Greedy(), Sampling(1.0, seed=trial)):
+                    got = []
+                    sampler = _BiasSampler(inner, m, type("Batch", (), {"push": lambda _, *a: got.append(a)})(), 0)
+                    token = sampler.select(logits.clone(), narrowed)
+                    [(_, pushed, scores)] = got
+                    assert pushed == token and mask.allowed_np[token]
+                    picks.append((token, scores.dense()))
+            for (a, sa), (b, sb) in zip(picks[:2], picks[2:]):
+                assert a == b
+                assert np.array_equal(np.isinf(sa), np.isinf(sb))
+                assert np.allclose(sa[~np.isinf(sa)], sb[~np.isinf(sb)], atol=1e-5)
+            expect = torch.where(mask.allowed & (narrowed if narrowed is not None else True),
+                                 logits + mask.bias, torch.tensor(float("-inf")))
+            assert picks[0][0] == int(torch.argmax(expect))
+    assert calls.mask({5: 100.0}) is not calls.mask({6: 100.0})
 
 
 def free_port() -> int:

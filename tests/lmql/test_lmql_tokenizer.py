@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,9 @@ from lmql.runtime.tokenizers.hf_tokenizer import TransformersTokenizer  # noqa: 
 
 from lmq_backend.lmql import tokenizer as lmql_tokenizer  # noqa: E402
 from lmq_backend.backend.default_model import default_model_dir  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import workloads as W  # noqa: E402
 
 TEXTS = [
     "Hello, world!", " leading space", "two  spaces\tand a tab\n\nnew lines\r\n", "don't I'm we've they're .",
@@ -53,6 +59,23 @@ def test_the_implementation_answers_as_lmqls(pair):
             assert ours.decode(ids, **kw) == theirs.decode(ids, **kw), (text, clean)
         as_bytes = theirs.decode_tokens_bytes(ids)
         assert ours.convert_bytes_to_string(as_bytes) == theirs.convert_bytes_to_string(as_bytes)
+
+
+def test_recurring_prompts_give_the_tokenizers_ids(pair):
+    """Prompts that share a few-shot prefix and differ at the end (their ids partly from the prefix encoder's
+    stored prefixes and words) get exactly the ids transformers' tokenizer gives them, as do their ids'
+    strings and back; no tail tokenized with the prefix is cached under another text."""
+    ours, theirs = pair
+    rng = random.Random(5)
+    shots = W.w1_shots()
+    tails = W.w1_reviews(12) + ["", "\n", " x", "日本語 😀", "a" * 700, "\n\nReview:  two  spaces"]
+    for tail in tails + [rng.choice(tails) + rng.choice(TEXTS) for _ in range(12)]:
+        for text in (f"{shots}Review: {tail}\nSentiment:", f"{shots[:-rng.randrange(1, 200)]}{tail}", tail + shots):
+            ids = theirs(text)["input_ids"]
+            assert ours(text)["input_ids"] == ids, text[-80:]
+            as_bytes = ours.decode_tokens_bytes(ids)
+            assert as_bytes == theirs.decode_tokens_bytes(ids) and ours.convert_token_bytes_to_ids(as_bytes) == ids
+    assert ours._prefix_encoder().hits > 0  # (the prefixes were reused)
 
 
 def test_it_pickles(pair):
