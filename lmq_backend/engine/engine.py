@@ -56,13 +56,15 @@ class Engine:
         """A warm start copies the disk tier's K/V into the lowest free slots: on a CPU their pages are committed
         now (`KVStore.touch`), not by page faults inside the process's first call, and as many beyond the
         highest slot in use from then on (`KVStore.commit_ahead`: the next prefix loaded from disk). The window:
-        the model's largest file, within what the prefix cache may keep."""
+        the model's largest file, within what the prefix cache may keep; two of them at the load, so that the
+        thread committing ahead wakes after the first call (on a machine of a few cores it competes with the
+        call's prefill), not inside it."""
         tiers = self.cache.tiers
         if tiers is None or tiers.disk is None or self.store.device.type != "cpu":
             return
         tokens = min(tiers.disk.most_tokens(), self.cache.budget_bytes // self.store.bytes_per_token)
         if tokens > 0:
-            self.store.touch(1 + tokens)
+            self.store.touch(1 + 2 * tokens)
             self.store.commit_ahead(tokens * self.store.bytes_per_token)
 
     @property
