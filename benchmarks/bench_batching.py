@@ -138,8 +138,9 @@ def w2(backend, rounds: int = 1, peer: bool = True) -> None:
 
     # one after another and at once alternate, round by round: each round's ratio compares runs a minute apart
     # at most (a 2-core host's speed drifts by 15% and more between runs)
-    seqs, cons, steps = [], [], []
+    seqs, cons, steps, seq_steps = [], [], [], []
     for k in range(rounds):
+        backend.on_step(seq_steps.append if k == rounds - 1 else None)
         seqs.append(timed(lambda: sequential(chats_of("visitor", k))))
         backend.on_step(steps.append if k == rounds - 1 else None)
         cons.append(timed(lambda: concurrent(chats_of("traveller", k))))
@@ -167,6 +168,14 @@ def w2(backend, rounds: int = 1, peer: bool = True) -> None:
               f"{', '.join(f'{t:.3f}' for t in seqs)}; ratios {', '.join(f'{a / b:.2f}' for a, b in zip(seqs, cons))}")
     print(f"  HF generate, batch    {t_hf:8.3f}   ({t_hf / t_con:.1f}x slower)")
     print(f"  lmq decode steps: {len(decodes)}, mean batch {sum(decodes) / max(len(decodes), 1):.1f}")
+    for name, run in (("one after another", seq_steps), ("at once", steps)):  # the last round's steps, by kind
+        parts = []
+        for kind in ("prefill", "decode"):
+            mine = [s for s in run if s.kind == kind]
+            seconds = sum(s.seconds for s in mine)
+            parts.append(f"{kind} {seconds:.2f} s in {len(mine)} steps ({1e3 * seconds / max(len(mine), 1):.1f} ms a step, "
+                         f"{sum(s.new_tokens for s in mine)} tokens)")
+        print(f"  {name}: " + "; ".join(parts))
 
 
 def main() -> None:
