@@ -4,9 +4,9 @@ warm-start (CPU, the default model): W1's ~1,086-token few-shot prompt as a quer
 (`lmq_backend.cli.main`) in new processes sharing one disk tier folder:
   cold          the first process: the whole prompt is prefilled (and written to disk)
   new process   the first call of a later process: the prefix comes from disk, only the review is prefilled
-  + warmed up   the same after two calls of another few-shot prompt of W1's length (a process's first calls of
-                a shape pay one-time costs of their own: first-use imports, thread start-up, and the CPU
-                kernels' calibration of the shape, measured again in each process while the machine is busy)
+  + warmed up   the same after two calls of another few-shot prompt of W1's length (whatever a process's first
+                calls still pay once is paid by then; the W1 prefix then goes to store slots past those the
+                warm-up filled)
   warm          that process's next call: the prefix is in its device trie
 Time to first token = from the call's start to the end of its prefill step (its first token's logits), with the
 model loaded before; the call's whole time too. Target: new process <= 1.5x warm.
