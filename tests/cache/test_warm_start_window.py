@@ -88,17 +88,19 @@ def test_commit_ahead_commits_beyond_the_slots_handed_out_and_writes_nothing():
 
     from lmq_backend.cache import pages
 
-    if not pages.available():
-        pytest.skip("no madvise here (not Linux)")
+    # where the kernel cannot commit pages without writing them (not Linux, or older than 5.14), nothing is
+    # committed ahead, and still nothing is written
+    works = pages.populate(torch.zeros(1, 2, 4096, 1, 64), 0, 4096)
     store = KVStore(*SHAPE, torch.float32, torch.device("cpu"), capacity=4096)
     ahead = store.commit_ahead(100 * store.bytes_per_token)
+    first = ahead.committed
     slots = store.alloc(300)
     store.data[:, :, slots] = 5.0  # a row writes its slots while the thread commits around them
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + (10 if works else 0.5)
     want = int(slots.max()) + 1 + 100  # the highest slot handed out, and 100 more
     while ahead.committed < want and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ahead.committed == want
+    assert ahead.committed == (want if works else first)
     assert (store.data[:, :, slots] == 5).all()  # nothing written
     store.close()
     assert ahead.data is None  # the thread let the memory go
