@@ -18,6 +18,7 @@ string tables are made once.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 CLASSES = ("TokenizersBackend",)  # transformers runs these as `tokenizers.Tokenizer` with nothing added
@@ -107,8 +108,6 @@ class LMQTokenizer:
     def _start_tables(self) -> None:
         """Make the tables on a thread: LMQL loads the tokenizer as its first call starts the model process,
         which takes far longer."""
-        import threading
-
         self._tables_lock = threading.Lock()
         threading.Thread(target=self._made, name="lmq-lmql-tokenizer-tables", daemon=True).start()
 
@@ -142,7 +141,7 @@ class LMQTokenizer:
     def decode_tokens_bytes(self, ids):
         table = self._made()[1]
         try:
-            return [table[i] for i in ids]
+            return [table[i] if i >= 0 else f"{i}".encode("utf-8") for i in ids]
         except (IndexError, TypeError):  # (an id outside the vocabulary, or not an int)
             return [f"{i}".encode("utf-8") for i in ids]
 
@@ -198,34 +197,27 @@ class LMQTokenizer:
 
 
 class _Backed:
-    """What the prefix encoder reads of a transformers tokenizer (its Rust `backend_tokenizer`), for a bare one."""
+    """A bare `tokenizers.Tokenizer` as lmq's text layer reads a transformers tokenizer: its Rust
+    `backend_tokenizer` and the pieces of ids."""
 
     def __init__(self, tokenizer):
         self.backend_tokenizer = tokenizer
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
 
 
 def _tables(tokenizer) -> tuple:
     """`LMQTokenizer._made`'s tables for a `tokenizers.Tokenizer`."""
     from ..text.prefix_encode import PrefixEncoder
+    from ..text.token_bytes import token_bytes_table
 
     n = tokenizer.get_vocab_size(with_added_tokens=True)
-    encoder = PrefixEncoder.for_tokenizer(_Backed(tokenizer), _n_bytes(tokenizer, n)) or False
+    backed = _Backed(tokenizer)
+    n_bytes = [len(b) for b in token_bytes_table(backed, n)[0]]
+    encoder = PrefixEncoder.for_tokenizer(backed, n_bytes) or False
     as_bytes = [f"{i}".encode("utf-8") for i in range(n)]
     return encoder, as_bytes, {b: i for i, b in enumerate(as_bytes)}
-
-
-def _n_bytes(tokenizer, n: int) -> list[int]:
-    """The UTF-8 bytes each of the n ids spells in text, for a byte-level BPE tokenizer (the only kind the prefix
-    encoder takes): a character of the byte-level alphabet is one byte (the encoder counts added tokens'
-    contents itself)."""
-    from ..text.token_bytes import bytes_to_unicode
-
-    alphabet = "".join(bytes_to_unicode().values())
-    out = [0] * n
-    for piece, i in tokenizer.get_vocab(with_added_tokens=True).items():
-        if i < n:
-            out[i] = len(piece) if not piece.strip(alphabet) else len(piece.encode("utf-8"))
-    return out
 
 
 def _plain(tokenizer):
