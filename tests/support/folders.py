@@ -35,6 +35,6 @@ def save_tiny_folder(path: Path, seed: int = 1) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> Path:
-    """A saved tiny Llama folder (session-wide: tests must not change it). Seed 1: its greedy choice among
+    """A saved tiny Llama folder (one for the whole test run: tests must not change it). Seed 1: its greedy choice among
     " positive", " negative", " neutral" changes with the review (seed 0 answers " positive" to all)."""
     return save_tiny_folder(tmp_path_factory.mktemp("tiny-model"))

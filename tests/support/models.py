@@ -97,7 +97,7 @@ def build(family: str, seed: int = 0):
 
 class Zoo:
     """Per family, built on first use: the weights (a `state_dict` copied once, before lmq sees any model),
-    the instance lmq's backends wrap (shared by the session), and reference instances that lmq never sees."""
+    the instance lmq's backends wrap (shared by the whole test run), and reference instances that lmq never sees."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -122,13 +122,13 @@ class Zoo:
         return model.eval()
 
     def reference(self, family: str):
-        """The session's reference instance of `family`: never passed to lmq."""
+        """The test run's reference instance of `family`: never passed to lmq."""
         if family not in self._reference:
             self._reference[family] = self.fresh(family)
         return self._reference[family]
 
     def backend(self, family: str, cache_budget="64MB", fused: bool | None = None):
-        """An HFBackend over the session's engine instance of `family` (the same instance for every backend,
+        """An HFBackend over the test run's engine instance of `family` (the same instance for every backend,
         as a user would share one model). `fused=False` sends decode steps through the model's forward."""
         from lmq_backend.backend.hf import HFBackend
 
@@ -313,7 +313,7 @@ def standard_calls(seed: int = 0) -> list[dict]:
 
 
 def expected(zoo: Zoo, family: str) -> list[tuple]:
-    """The reference's (ids, distribution) of `standard_calls()` on `family`, computed once a session."""
+    """The reference's (ids, distribution) of `standard_calls()` on `family`, computed once a test run."""
     key = ("standard", family)
     if key not in zoo.memo:
         model = zoo.reference(family)
