@@ -89,7 +89,8 @@ def build_layout(prefix_len: int, own_lens: list[int], H_kv: int, D: int, dtype:
                  device: torch.device, gen: torch.Generator) -> Layout:
     """Rows of ``prefix_len`` shared tokens then ``own_lens[b]`` tokens of their own. The prefix takes slots
     [0, prefix_len); each row's own tokens take a contiguous run of slots, the runs in a random order of
-    rows (a pool's allocations, not one row after another)."""
+    rows (a pool's allocations, not one row after another). The rows' order comes from ``gen``, the values
+    from the device's (seeded) generator."""
     B = len(own_lens)
     n = prefix_len + sum(own_lens)
     order = torch.randperm(B, generator=gen).tolist()
@@ -106,8 +107,7 @@ def build_layout(prefix_len: int, own_lens: list[int], H_kv: int, D: int, dtype:
     for b, r in enumerate(rows):
         table[b, end - len(r):] = r
         start[b] = end - len(r)
-    k = torch.randn(n, H_kv, D, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(n, H_kv, D, generator=gen).to(device=device, dtype=dtype)
+    k, v = (torch.randn(n, H_kv, D, device=device).to(dtype) for _ in range(2))  # the device's seeded RNG
     dev = lambda t: t.to(device)  # noqa: E731
     return Layout(k, v, dev(table), dev(start), end, [dev(r) for r in rows],
                   dev(prefix) if prefix is not None else None, [dev(o) for o in own], n)
@@ -144,10 +144,8 @@ def copy_bandwidth(device: torch.device) -> float | None:
     """Bytes read + written per second by a 1 GiB device-to-device copy (None on a CPU)."""
     if device.type != "cuda":
         return None
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
-    del x, y
+    src, dst = (torch.empty(1 << 29, dtype=torch.bfloat16, device=device) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
@@ -188,9 +186,9 @@ class Peer:
         Returns the wall seconds."""
         dtype = torch.bfloat16
         lay = build_layout(16, [3, 5], H_kv, D, dtype, self.device, gen)
-        q = torch.randn(2, Hq, D, generator=gen).to(self.device, dtype)
+        q = torch.randn(2, Hq, D, device=self.device).to(dtype)
         lay_e = build_layout(16, [4, 4], H_kv, D, dtype, self.device, gen)
-        q_e = torch.randn(2, 4, Hq, D, generator=gen).to(self.device, dtype)
+        q_e = torch.randn(2, 4, Hq, D, device=self.device).to(dtype)
 
         def attempt(kind: str, make: Callable[[], object]) -> None:
             try:
@@ -353,7 +351,7 @@ def run_decode(case: DecodeCase, peer: Peer | None, device: torch.device, bw: fl
         prefix, own = 0, [int(x) for x in torch.randint(1000, 1201, (case.B,), generator=gen)]
     lay = build_layout(prefix, own, H_kv, D, torch.bfloat16 if device.type == "cuda" else torch.float32,
                        device, gen)
-    q = torch.randn(case.B, Hq, D, generator=gen).to(device=device, dtype=lay.k.dtype)
+    q = torch.randn(case.B, Hq, D, device=device).to(lay.k.dtype)
     label = f"{name} B={case.B} " + (f"prefix {prefix} + own {min(own)}-{max(own)}" if case.shared
                                      else f"distinct {min(own)}-{max(own)}")
     out, out1 = torch.empty_like(q), torch.empty_like(q)
@@ -385,7 +383,7 @@ def run_extend(case: ExtendCase, peer: Peer | None, device: torch.device, quick:
     name, Hq, H_kv, D = MODELS[case.model]
     lay = build_layout(case.prefix, [case.T] * case.B, H_kv, D,
                        torch.bfloat16 if device.type == "cuda" else torch.float32, device, gen)
-    q = torch.randn(case.B, case.T, Hq, D, generator=gen).to(device=device, dtype=lay.k.dtype)
+    q = torch.randn(case.B, case.T, Hq, D, device=device).to(lay.k.dtype)
     label = f"{name} B={case.B} T={case.T} prefix {case.prefix} (shared)"
     out = torch.empty_like(q)
     lmq = lambda: prefill_attention(q, lay.k, lay.v, lay.table, lay.start, lay.end, out=out)  # noqa: E731
@@ -434,6 +432,7 @@ def main() -> None:
         print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
 
     gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     notes: list[str] = []
     t0 = time.perf_counter()
     if peer is not None:
