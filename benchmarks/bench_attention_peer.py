@@ -42,12 +42,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/lmq_flashinfer")
+os.environ.setdefault("TVM_FFI_CACHE_DIR", "/tmp/lmq_flashinfer/tvm-ffi")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from lmq_kernels.triton import decode_attention  # noqa: E402
-from lmq_kernels.triton.prefill_attention import prefill_attention  # noqa: E402
+from lmq_kernels.triton import decode_attention, decode_attention_reference  # noqa: E402
+from lmq_kernels.triton.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
 
 MODELS = {"1b": ("Llama-3.2-1B", 32, 8, 64), "135m": ("SmolLM2-135M", 9, 3, 64)}
 TOL = dict(atol=2e-2, rtol=2e-2)
@@ -324,17 +325,22 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _peer_variant(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor,
-                  device: torch.device, quick: bool, notes: list[str], label: str) -> float | str | None:
-    """Time one FlashInfer variant after checking it against lmq's output: microseconds, or why not."""
+                  reference: Callable[[], torch.Tensor], device: torch.device, quick: bool, notes: list[str],
+                  label: str) -> float | str | None:
+    """Time one FlashInfer variant after checking it against lmq's output ``ref``: microseconds, or why not.
+    On a disagreement both sides are measured against the float32 torch ``reference``."""
     try:
         fn = make()
-        ok, err = agree(fn(), ref)
+        got = fn()
+        ok, err = agree(got, ref)
     except Exception as exc:
         if not str(exc).startswith("its first call failed"):
             notes.append(f"{label} {name}: {_why(exc)}")
         return "error"
     if not ok:
-        notes.append(f"{label} {name}: disagrees with lmq (max abs diff {err:.3g}); not timed")
+        exact = reference()
+        notes.append(f"{label} {name}: disagrees with lmq (max abs diff {err:.3g}; against the float32 "
+                     f"reference lmq {agree(ref, exact)[1]:.3g}, FlashInfer {agree(got, exact)[1]:.3g}); not timed")
         return "differs"
     return time_us(fn, device, quick)
 
@@ -359,17 +365,19 @@ def run_decode(case: DecodeCase, peer: Peer | None, device: torch.device, bw: fl
     lmq1 = lambda: decode_attention(q, lay.k, lay.v, lay.start, lay.end, table=lay.table, out=out1,  # noqa: E731
                                     rows=1)
     ref = lmq().clone()
+    reference = lambda: decode_attention_reference(  # noqa: E731
+        q, *(c[lay.table.long()].transpose(1, 2) for c in (lay.k, lay.v)), lay.start, lay.end)
     ok, err = agree(lmq1(), ref)
     if not ok:
         notes.append(f"{label}: lmq rows=1 and rows=None differ (max abs diff {err:.3g})")
     t_lmq, t_lmq1 = time_us(lmq, device, quick), time_us(lmq1, device, quick)
     fi = {"decode": None, "decode_tc": None, "cascade": None}
     if peer is not None:
-        fi["decode"] = _peer_variant("decode", lambda: peer.decode(q, lay, False), ref, device, quick, notes, label)
-        fi["decode_tc"] = _peer_variant("decode tc", lambda: peer.decode(q, lay, True), ref, device, quick, notes,
-                                        label)
+        check = (ref, reference, device, quick, notes, label)
+        fi["decode"] = _peer_variant("decode", lambda: peer.decode(q, lay, False), *check)
+        fi["decode_tc"] = _peer_variant("decode tc", lambda: peer.decode(q, lay, True), *check)
         if case.shared:
-            fi["cascade"] = _peer_variant("cascade", lambda: peer.cascade(q, lay), ref, device, quick, notes, label)
+            fi["cascade"] = _peer_variant("cascade", lambda: peer.cascade(q, lay), *check)
     kv_bytes = 2 * lay.unique_tokens * H_kv * D * lay.k.element_size()
     floor = kv_bytes / bw * 1e6 if bw else None
     timed = [t for t in fi.values() if isinstance(t, float)]
@@ -391,7 +399,9 @@ def run_extend(case: ExtendCase, peer: Peer | None, device: torch.device, quick:
     t_lmq = time_us(lmq, device, quick)
     t_fi = None
     if peer is not None:
-        t_fi = _peer_variant("prefill", lambda: peer.prefill(q, lay), ref, device, quick, notes, label)
+        reference = lambda: prefill_attention_reference(  # noqa: E731
+            q, lay.k, lay.v, lay.table, lay.start, lay.end)
+        t_fi = _peer_variant("prefill", lambda: peer.prefill(q, lay), ref, reference, device, quick, notes, label)
     return [label, _cell(t_lmq), _cell(t_fi), _ratio(t_lmq, t_fi)]
 
 
@@ -437,9 +447,10 @@ def main() -> None:
     t0 = time.perf_counter()
     if peer is not None:
         _, Hq, H_kv, D = MODELS[models[0]]
+        print("FlashInfer warm-up: compiling (or loading) its kernels ...", flush=True)
         wall = peer.warm_up(Hq, H_kv, D, gen, notes)
         print(f"FlashInfer warm-up (nvcc compiles, or loads from the workspace), all kinds at once: {wall:.1f} s; "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in peer.compile_s.items()))
+              + ", ".join(f"{k} {v:.1f} s" for k, v in peer.compile_s.items()), flush=True)
     drows = [run_decode(c, peer, device, bw, args.quick, args.tiny, notes, gen)
              for c in decode_cases(models, args.quick, args.tiny)]
     erows = [run_extend(c, peer, device, args.quick, notes, gen) for c in extend_cases(models, args.quick, args.tiny)]
