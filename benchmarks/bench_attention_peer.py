@@ -16,7 +16,8 @@ Decode (one query a row) at batch 1, 16, 64 and 256:
              rows at once, level 1 each row's own tokens, merged
   floor      the K/V bytes a kernel must read once (the prefix once, each row's own tokens once) over the
              device's copy bandwidth measured in this run (bytes read + written per second)
-Extend (T new tokens a row attending causally to a cached prefix and to themselves):
+Extend (T new tokens a row attending causally to a shared cached prefix and to themselves; B=2, T=20 after
+1,100 tokens; B=8, T=32 and B=256, T=30 after 1,000):
   lmq        `lmq_kernels.triton.prefill_attention`
   FI prefill FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal, page size 1)
 
@@ -25,12 +26,14 @@ FlashInfer variant that disagrees or fails is reported and not timed. Times: `tr
 median of one call, L2 flushed before each call (the K/V come from HBM, as in a decode step whose weights
 pass through L2); FlashInfer's plan is done once per shape outside the timing, as a model does once per
 step for all its layers. FlashInfer compiles its kernels with nvcc on first use (under
-``FLASHINFER_WORKSPACE_BASE``, default /tmp/lmq_flashinfer); those first calls are timed and printed apart.
+``FLASHINFER_WORKSPACE_BASE``, default /tmp/lmq_flashinfer): the script does that first for every kind at
+once (a thread a module) and prints that time apart; a later run on the same machine loads them.
 
 Without FlashInfer the lmq side runs alone. On a CPU, ``--tiny`` under ``TRITON_INTERPRET=1`` runs the lmq
 side on small shapes through Triton's interpreter (a check of the script, no timings worth reading).
 
 Run:  python benchmarks/bench_attention_peer.py [--quick] [--model 1b|135m|both] [--no-flashinfer]
+      [--fi-backend auto|fa2|fa3]
 """
 from __future__ import annotations
 
@@ -196,6 +199,9 @@ class Peer:
                 make()
             except Exception as exc:
                 self.broken[kind] = _why(exc)
+                text = str(exc).strip()
+                print(f"FlashInfer {kind} failed ({type(exc).__name__}), the end of its message:\n"
+                      f"{text[-3000:]}", flush=True)
 
         def prefill_then_cascade() -> None:
             attempt("prefill", lambda: self.prefill(q_e, lay_e))
