@@ -56,6 +56,11 @@ from lmq_kernels.triton.prefill_attention import prefill_attention, prefill_atte
 MODELS = {"1b": ("Llama-3.2-1B", 32, 8, 64), "135m": ("SmolLM2-135M", 9, 3, 64)}
 TOL = dict(atol=2e-2, rtol=2e-2)
 WORKSPACE_BYTES = 256 << 20
+KINDS = frozenset({"decode", "decode_tc", "cascade", "prefill"})  # FlashInfer's variants (--fi-kinds)
+
+
+class Skipped(Exception):
+    """A FlashInfer kind left out by ``--fi-kinds``."""
 
 
 def _import_flashinfer():
@@ -178,8 +183,9 @@ class Peer:
     """FlashInfer's wrappers, planned for one shape. Every method returns a callable that runs the kernel (the
     plan done), or raises; the first plan of a kind compiles its kernels, timed into ``compile_s``."""
 
-    def __init__(self, fi, device: torch.device, backend: str):
+    def __init__(self, fi, device: torch.device, backend: str, kinds: set[str] = KINDS):
         self.fi, self.device, self.backend, self.prefill_backend = fi, device, backend, backend
+        self.kinds = kinds                 # the kinds to run, of KINDS
         self.compile_s: dict[str, float] = {}
         self.broken: dict[str, str] = {}   # kind -> why its first call failed (not tried again)
 
@@ -195,6 +201,8 @@ class Peer:
         q_e = torch.randn(2, 4, Hq, D, device=self.device).to(dtype)
 
         def attempt(kind: str, make: Callable[[], object]) -> None:
+            if kind not in self.kinds:
+                return
             try:
                 make()
             except Exception as exc:
@@ -209,7 +217,7 @@ class Peer:
                 first = self.broken.pop("prefill")
                 self.prefill_backend = "fa2"
                 attempt("prefill", lambda: self.prefill(q_e, lay_e))
-                notes.append(f"FlashInfer prefill on backend auto failed ({first}); prefill timed on fa2")
+                notes.append(f"FlashInfer prefill on backend auto failed ({first}); prefill tried on fa2")
             attempt("cascade", lambda: self.cascade(q, lay))
 
         jobs = [lambda: attempt("decode", lambda: self.decode(q, lay, False)),
@@ -227,9 +235,13 @@ class Peer:
     def _workspace(self) -> torch.Tensor:
         return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
 
-    def _first(self, name: str, plan: Callable[[], None], run: Callable[[], torch.Tensor]):
+    def _usable(self, name: str) -> None:
+        if name not in self.kinds:
+            raise Skipped
         if name in self.broken:
             raise RuntimeError(f"its first call failed: {self.broken[name]}")
+
+    def _first(self, name: str, plan: Callable[[], None], run: Callable[[], torch.Tensor]):
         if name in self.compile_s:
             plan()
             return run
@@ -241,6 +253,7 @@ class Peer:
         return run
 
     def decode(self, q: torch.Tensor, lay: Layout, tensor_cores: bool):
+        self._usable("decode_tc" if tensor_cores else "decode")
         Hq, D, H_kv = q.shape[1], q.shape[2], lay.k.shape[1]
         w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace(), "NHD", use_tensor_cores=tensor_cores,
                                                        backend=self.backend)
@@ -255,6 +268,7 @@ class Peer:
 
     def cascade(self, q: torch.Tensor, lay: Layout):
         assert lay.prefix is not None
+        self._usable("cascade")
         B, Hq, D = q.shape
         H_kv = lay.k.shape[1]
         w = self.fi.MultiLevelCascadeAttentionWrapper(2, self._workspace(), "NHD")
@@ -271,6 +285,7 @@ class Peer:
         return self._first("cascade", plan, lambda: w.run(q, kv))
 
     def prefill(self, q: torch.Tensor, lay: Layout):
+        self._usable("prefill")
         B, T, Hq, D = q.shape
         H_kv = lay.k.shape[1]
         w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend=self.prefill_backend)
@@ -339,6 +354,8 @@ def _peer_variant(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref
         fn = make()
         got = fn()
         ok, err = agree(got, ref)
+    except Skipped:
+        return None
     except Exception as exc:
         if not str(exc).startswith("its first call failed"):
             notes.append(f"{label} {name}: {_why(exc)}")
@@ -422,6 +439,9 @@ def main() -> None:
     ap.add_argument("--model", choices=["1b", "135m", "both"], default="both")
     ap.add_argument("--no-flashinfer", action="store_true", help="lmq's side alone")
     ap.add_argument("--fi-backend", default="auto", help="FlashInfer's backend for decode and prefill (auto, fa2, fa3)")
+    ap.add_argument("--fi-kinds", default=",".join(sorted(KINDS)),
+                    help="FlashInfer's variants to run, of decode, decode_tc, cascade, prefill (each kind's "
+                         "first use compiles its module: fewer kinds, a shorter warm-up)")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a CPU check under TRITON_INTERPRET=1)")
     args = ap.parse_args()
 
@@ -438,7 +458,10 @@ def main() -> None:
         elif device.type != "cuda":
             print(f"FlashInfer {fi.__version__}: needs a CUDA device; lmq's side alone")
         else:
-            peer = Peer(fi, device, args.fi_backend)
+            kinds = {k.strip() for k in args.fi_kinds.split(",") if k.strip()}
+            if not kinds <= KINDS:
+                ap.error(f"--fi-kinds: unknown {sorted(kinds - KINDS)}; known {sorted(KINDS)}")
+            peer = Peer(fi, device, args.fi_backend, kinds)
             print(f"FlashInfer {fi.__version__} (backend {args.fi_backend}), "
                   f"workspace {os.environ['FLASHINFER_WORKSPACE_BASE']}")
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
