@@ -158,13 +158,6 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
-def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
 def _why(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
