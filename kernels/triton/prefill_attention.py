@@ -39,9 +39,9 @@ __all__ = ["prefill_attention", "prefill_attention_reference", "programs"]
 
 
 def _prefill_src(
-    Q, K, V, TABLE, START, OUT,
+    Q, K, V, TABLE, START, END, OUT,
     qk_scale,  # sm_scale * log2(e)
-    T, end, H_KV,
+    T, H_KV,
     stride_qb, stride_qt, stride_qh,
     stride_tb,
     stride_ks, stride_kh, stride_vs, stride_vh,
@@ -66,6 +66,7 @@ def _prefill_src(
     q = tl.load(Q + b64 * stride_qb + t.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
+    end = tl.load(END).to(tl.int32)                # read when the kernel runs (a CUDA graph's replay too)
     qcol = end - T + t                             # [BLOCK_M] the query's own column
     lo = tl.load(START + b).to(tl.int32)
     hi = tl.minimum(end, end - T + t0 + BLOCK_T)   # past the block's last column
@@ -97,7 +98,7 @@ def _prefill_src(
              + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-_JIT_KW = dict(do_not_specialize=["T", "end"])
+_JIT_KW = dict(do_not_specialize=["T"])
 _prefill_kernel = triton.jit(**_JIT_KW)(_prefill_src)
 
 
@@ -144,16 +145,23 @@ def programs(B: int, T: int, Hq: int, H_kv: int, D: int, dtype: torch.dtype) -> 
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                      start: torch.Tensor, end: int, sm_scale: float | None = None,
+                      start: torch.Tensor, end: int | torch.Tensor, sm_scale: float | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens ``q`` [B, T, Hq, D] of B rows over their page tables (see the module's
-    docstring for the layout). ``start``: int32 [B] on q's device; ``end``: the common end column (an int,
-    ``T <= end <= S``). Returns ``out`` [B, T, Hq, D] in q's dtype."""
+    docstring for the layout). ``start``: int32 [B] on q's device; ``end``: the common end column, an int
+    (``T <= end <= S``) or a one-element int32 tensor on q's device that holds it (read when the kernel runs,
+    as a CUDA graph's replay needs; not checked). Returns ``out`` [B, T, Hq, D] in q's dtype."""
     B, T, Hq, D = q.shape
     slots, H_kv, Dk = k_cache.shape
     assert Dk == D and Hq % H_kv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
     assert table.dtype == torch.int32 and table.shape[0] >= B and table.stride(-1) == 1
-    assert start.shape == (B,) and T <= end <= table.shape[1], (start.shape, T, end, table.shape)
+    if isinstance(end, torch.Tensor):
+        assert end.shape == (1,) and end.dtype == torch.int32 and end.device == q.device, end
+        end_t = end
+    else:
+        assert T <= end <= table.shape[1], (T, end, table.shape)
+        end_t = torch.full((1,), end, dtype=torch.int32, device=q.device)
+    assert start.shape == (B,), (start.shape, B)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -165,14 +173,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     elif interpreter_active():
         kernel = _interpreted_kernel()
     else:
-        out.copy_(prefill_attention_reference(q, k_cache, v_cache, table, start, end, sm_scale))
+        out.copy_(prefill_attention_reference(q, k_cache, v_cache, table, start, int(end_t[0]), sm_scale))
         return out
     G = Hq // H_kv
     g_pad, block_t, block_n, warps = _config(G, D, q.dtype)
     kernel[(triton.cdiv(T, block_t), B * H_kv)](
-        q, k_cache, v_cache, table, start, out,
+        q, k_cache, v_cache, table, start, end_t, out,
         float(sm_scale) * 1.4426950408889634,
-        T, int(end), H_kv,
+        T, H_kv,
         q.stride(0), q.stride(1), q.stride(2),
         table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

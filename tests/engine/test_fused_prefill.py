@@ -36,11 +36,13 @@ def hf_whole(model, ids):
     return logits[0, -1], [(k[0], v[0]) for k, v in compat.cache_layers(cache)]
 
 
-def run_prefill(model, rows, *, slot=0, end=None, capacity=64, slots=None, atol=1e-4, kv_atol=1e-5):
+def run_prefill(model, rows, *, slot=0, end=None, capacity=64, slots=None, atol=1e-4, kv_atol=1e-5, pool=None,
+                dec=None):
     """rows: (whole token list, cached count). The cached K/V come from HF's whole-row forward, the rest from
-    the fused prefill; both are compared with HF's whole-row forward. Returns (fused, HF) logits [B, V]."""
+    the fused prefill; both are compared with HF's whole-row forward. Returns (fused, HF) logits [B, V].
+    `pool`, `dec`: a dense pool and a decoder over it to use (else new ones, without CUDA graphs)."""
     slots = slots or slot + len(rows)
-    pool = make_pool(model, slots, capacity)
+    pool = make_pool(model, slots, capacity) if pool is None else pool
     end = end or max(len(ids) for ids, _ in rows) + 2
     first = min(end - len(ids) for ids, _ in rows)
     pool[:, :, slot:slot + len(rows), :, first:end] = 0   # the pool's invariant: finite from the first column
@@ -52,7 +54,7 @@ def run_prefill(model, rows, *, slot=0, end=None, capacity=64, slots=None, atol=
             pool[l, 0, slot + b, :, end - len(ids):end - len(ids) + cached] = k[:, :cached]
             pool[l, 1, slot + b, :, end - len(ids):end - len(ids) + cached] = v[:, :cached]
     before = pool.clone()
-    dec = FusedDecoder(model, *paged_view(pool), max_batch=slots, use_graphs=False)
+    dec = dec or FusedDecoder(model, *paged_view(pool), max_batch=slots, use_graphs=False)
     got = dec.prefill([(ids[cached:], cached) for ids, cached in rows], slot, end).float()
     want = torch.stack([logits for logits, _ in refs]).float()
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
@@ -161,6 +163,27 @@ def test_cuda_fp32_prefill_matches_hf():
     model = llama_1b_shaped(layers=4, dtype=torch.float32)
     run_prefill(model, [(_ids(300, 21), 120), (_ids(181, 22), 0), (_ids(250, 23), 249)], capacity=512,
                 atol=2e-3, kv_atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_small_prefills_replay_captured_graphs():
+    """Small prefills replay a CUDA graph per bucket of rows and new tokens: float32 logits and K/V match HF's
+    whole-row forward at a bucket's first prefill (its capture) and at a later one with other rows, slots, new
+    lengths, cached prefixes and end (a replay), nothing else in the pool is written; a prefill of more new
+    tokens than a bucket holds runs eagerly, just as right."""
+    from lmq_backend.engine.fused.prefill import GRAPH_TOKENS
+
+    model = llama_1b_shaped(layers=4, dtype=torch.float32)
+    pool = make_pool(model, 8, 1400)
+    dec = FusedDecoder(model, *paged_view(pool), max_batch=8, use_graphs=True)
+    kw = dict(pool=pool, dec=dec, capacity=1400, atol=2e-3, kv_atol=2e-3)
+    run_prefill(model, [(_ids(1120, 41), 1100), (_ids(1115, 42), 1100), (_ids(40, 43), 10)], slot=0, end=1130, **kw)
+    assert dec.prefill_buckets == {(4, 32)}
+    run_prefill(model, [(_ids(630, 44), 600), (_ids(26, 45), 0), (_ids(200, 46), 183)], slot=4, end=700, **kw)
+    run_prefill(model, [(_ids(9, 47), 0)], slot=2, end=9, **kw)
+    assert dec.prefill_buckets == {(4, 32), (1, 16)}
+    run_prefill(model, [(_ids(300, 48), 300 - GRAPH_TOKENS - 1)], slot=1, end=310, **kw)
+    assert dec.prefill_buckets == {(4, 32), (1, 16)}
 
 
 @pytest.mark.gpu

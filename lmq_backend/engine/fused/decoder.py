@@ -54,17 +54,9 @@ from lmq_kernels.triton.masked_argmax import MaskedPicks
 
 from ..attention import grouped_attention
 from ..picks_gpu import DevicePicks, pick_in_step, write_picks
-from .prefill import Prefill
+from .prefill import Prefill, bucket_for
 
 __all__ = ["FusedDecoder", "bucket_for"]
-
-
-def bucket_for(n: int, max_batch: int) -> int:
-    """Smallest power of two >= n, capped at max_batch."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max_batch)
 
 
 class FusedDecoder(Prefill):
@@ -118,7 +110,6 @@ class FusedDecoder(Prefill):
         # the Triton attention rotates q and appends the new K/V itself (one launch a layer for the two)
         self.new_token_in_attention = self.D & (self.D - 1) == 0
         self.sampling = False        # some row's pick is sampled (its step's graph samples too)
-        self._graph_pool = None
         # greedy picks on the device (see `run_ahead`): per mask, the argmax of each row's logits
         self.masks = None
         self._masked_picks = None    # `MaskedPicks` under them (a GPU's)
@@ -328,9 +319,7 @@ class FusedDecoder(Prefill):
                 self._inputs.copy_(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self.graph_pool()):
             self._forward(bp)
         return graph
 

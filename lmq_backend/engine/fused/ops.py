@@ -102,12 +102,15 @@ class LayerOps:
             out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
 
     def _rope_append(self, lw: LayerWeights, l: int, qkv: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
-                     rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor, slot: int = 0) -> None:
+                     rows: int, tokens: int, end: torch.Tensor, nrows: torch.Tensor,
+                     table: torch.Tensor | None = None) -> None:
         """q = rope(qnorm(q)) of every token of `qkv` ([rows x tokens, (Hq + 2 Hkv) D], row-major tokens);
         each token's rope(knorm(k)) and v go to the store: token t of row b to the slot of column
-        end - (tokens - 1) + t in table row `slot` + b, except tokens at negative positions (padding) and
-        rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a captured step reads them at replay)."""
-        kc, vc, table = self.k_cache[l], self.v_cache[l], self.table[slot:]
+        end - (tokens - 1) + t in row b of `table` (the rows' page tables; default: the pool's), except tokens
+        at negative positions (padding) and rows >= nrows. `end`, `nrows`: one-element int32 device tensors (a
+        captured step reads them at replay)."""
+        kc, vc = self.k_cache[l], self.v_cache[l]
+        table = self.table if table is None else table
         if self.triton:
             rope_append(qkv, positions, self.inv_freq, lw.q_norm, lw.k_norm, lw.qk_eps, q, kc, vc, table, end, nrows,
                         tokens, rows, self.Hq, self.H_kv)

@@ -6,8 +6,10 @@ end - T + t (padding tokens, at position -1, write nothing), attention over the 
 through the page tables (no K/V copied): on a GPU by `lmq_kernels.triton.prefill_attention`, on a CPU by
 `lmq_kernels.cpu.prefill_attention` (C), each where it pays (see `prefill`); else by `grouped_attention` over a
 gathered copy (torch's fused attention, a boolean mask only when rows differ in length); final norm and LM
-head for the last token of each row. Eager: every prefill has new
-shapes. On a GPU it makes a fraction of the model's forward's launches, which wait on Python.
+head for the last token of each row. On a GPU it makes a fraction of the model's forward's launches, which
+wait on Python; a small prefill (up to GRAPH_ROWS rows of up to GRAPH_TOKENS new tokens: a few calls' new tails
+behind a warm trie) replays a CUDA graph captured per bucket of rows and tokens instead, attention then always
+through the page tables. Larger prefills run eagerly (their launches hide behind the device's work).
 """
 from __future__ import annotations
 
@@ -25,14 +27,35 @@ from ..attention import PREFILL_READ, grouped_attention, model_attention
 from .ops import LayerOps
 
 
+def bucket_for(n: int, most: int) -> int:
+    """Smallest power of two >= n, capped at `most`."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, most)
+
+
+def _parts(buffer: torch.Tensor, at: list[int], B: int, T: int) -> list[torch.Tensor]:
+    """The seven parts of a prefill's inputs in `buffer` (see `Prefill._inputs_host`)."""
+    return [buffer[a:a + n] for a, n in zip(at, (B * T, B * T, B, B, 1, 1, 1))]
+
+
+# Small prefills (a few rows' short new parts, the common case behind a warm trie) replay a CUDA graph per
+# bucket of rows and new tokens: eager, such a prefill waits on the host's ~150 launches for far longer than
+# the device takes to run them.
+GRAPH_ROWS, GRAPH_TOKENS, GRAPH_MIN_TOKENS = 8, 64, 8
+
+
 class Prefill(LayerOps):
     """The prefill of new tokens into the store through the fused layer loop (`FusedDecoder`'s base class)."""
 
     # On a GPU: attention through the page tables where the kernel has a program for every multiprocessor
     # (many rows, or many new tokens); else (one row's few new tokens after a long prefix) the gather and
     # torch's kernel, which splits the columns (there the faster), and where the gather would copy more than
-    # PREFILL_READ columns. False: always the gather.
+    # PREFILL_READ columns. False: always the gather (and no captured prefills).
     paged_attention = True
+    use_graphs = False   # small prefills replay CUDA graphs (a GPU `FusedDecoder`'s choice)
+    _graph_pool = None
 
     @torch.inference_mode()
     def prefill(self, rows: list[tuple[list[int], int]], slot: int, end: int) -> torch.Tensor:
@@ -43,38 +66,60 @@ class Prefill(LayerOps):
         [end - m_b, end), left-padded to the longest new part. Each op runs once per layer over all the
         tokens (a few launches a layer, where Hugging Face's forward makes several times as many and a long
         prefill waits on the host for much of its time); attention reads the rows' columns through
-        their page tables (see the module's docstring). No CUDA graph (every call has
-        new shapes). Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
+        their page tables (see the module's docstring). Up to GRAPH_ROWS rows of up to GRAPH_TOKENS new tokens
+        replay a CUDA graph captured for their bucket (`_captured`), where graphs are used; other shapes run
+        eagerly. Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
         B, T = len(rows), max(len(ids) for ids, _ in rows)
         if not all(ids for ids, _ in rows) or slot + B > self.table.shape[0] or not T <= end <= self.S:
             raise ValueError(f"prefill of {B} rows x {T} tokens at slot {slot}, end {end} does not fit the pool")
-        N, dev = B * T, self.device
-        # every input in one int32 buffer, one copy to the device: ids, positions (-1: padding), starts, end - 1,
-        # B; each part at a multiple of 16 bytes (the alignment the kernels were compiled for, whatever N and B)
-        at = np.cumsum([0] + [-(-n // 4) * 4 for n in (N, N, B, 1, 1)]).tolist()
-        host = torch.full((at[-1],), -1, dtype=torch.int32)
+        if self.use_graphs and self.paged_attention and B <= GRAPH_ROWS and T <= GRAPH_TOKENS:
+            return self._captured(rows, slot, end)
+        dev = self.device
+        host, at = self._inputs_host(rows, B, T, slot, end)
+        inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
+        ids_d, pos_d, starts_d, _, last_d, end_d, nrows_d = _parts(inputs, at, B, T)
+        starts = (end - np.array([c + len(ids) for ids, c in rows])).tolist()
+        hq, d = self.Hq, self.D
+        if not self.triton:
+            m = torch.tensor([len(ids) for ids, _ in rows], dtype=torch.int32)
+            attend = self._cpu_attention(B, T, starts, starts_d, slot, end, m)
+        elif self.paged_attention and (not self.cuda or B * (end - min(starts)) > PREFILL_READ
+                                       or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= sm_count(dev)):
+            attend = self._paged_attention(self.table[slot:slot + B], starts_d, end_d)
+        else:
+            attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
+        return self._prefill_forward(ids_d, pos_d, B, T, last_d, nrows_d, self.table[slot:slot + B], attend)
+
+    def _inputs_host(self, rows: list[tuple[list[int], int]], B: int, T: int, slot: int, end: int,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """A prefill's inputs in one int32 buffer (`out`, else a new one), that one copy takes to the device:
+        ids [B, T] and positions [B, T] (-1: padding; rows left-padded to T), starts [B], the rows' table rows
+        [B], end - 1 (the last token's column), end and the real row count (`rows` may be fewer than B: the rest are padding rows, whose first
+        column is `end`: none), each part at a multiple of 16 bytes (the alignment the kernels were compiled
+        for). Returns the buffer and the parts' offsets."""
+        N, n = B * T, len(rows)
+        at = np.cumsum([0] + [-(-k // 4) * 4 for k in (N, N, B, B, 1, 1, 1)]).tolist()
+        host = torch.empty(at[-1], dtype=torch.int32) if out is None else out[:at[-1]]
         h = host.numpy()
+        h[:] = -1
         ids_h, pos_h = h[:N].reshape(B, T), h[at[1]:at[1] + N].reshape(B, T)
-        m = np.array([len(ids) for ids, _ in rows])
-        cached = np.array([c for _, c in rows])
+        m = np.array([len(ids) for ids, _ in rows] + [0] * (B - n))
+        cached = np.array([c for _, c in rows] + [0] * (B - n))
         real = np.arange(T)[None, :] >= (T - m)[:, None]                       # [B, T]: not padding
         ids_h[:] = 0
         ids_h[real] = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in rows), np.int32, int(m.sum()))
         pos_h[:] = np.where(real, cached[:, None] - (T - m)[:, None] + np.arange(T)[None, :], -1)
-        starts = (end - cached - m).tolist()
-        h[at[2]:at[2] + B] = starts
-        h[at[3]], h[at[4]] = end - 1, B
-        inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
-        ids_d, pos_d, starts_d = inputs[:N], inputs[at[1]:at[1] + N], inputs[at[2]:at[2] + B]
-        end_d, nrows_d = inputs[at[3]:at[3] + 1], inputs[at[4]:at[4] + 1]
-        hq, d = self.Hq, self.D
-        if not self.triton:
-            attend = self._cpu_attention(B, T, starts, starts_d, slot, end, torch.from_numpy(m.astype(np.int32)))
-        elif self.paged_attention and (not self.cuda or B * (end - min(starts)) > PREFILL_READ
-                                       or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= sm_count(dev)):
-            attend = self._paged_attention(B, T, starts, starts_d, slot, end)
-        else:
-            attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
+        h[at[2]:at[2] + B] = end - cached - m
+        h[at[3]:at[3] + B] = slot + np.minimum(np.arange(B), n - 1)
+        h[at[4]], h[at[5]], h[at[6]] = end - 1, end, n
+        return host, at
+
+    def _prefill_forward(self, ids_d: torch.Tensor, pos_d: torch.Tensor, B: int, T: int, last_d: torch.Tensor,
+                         nrows_d: torch.Tensor, table: torch.Tensor, attend) -> torch.Tensor:
+        """The layer loop over B rows x T new tokens (`ids_d`, `pos_d`: [B T] on the device; `last_d`: the
+        last token's column; `table`: the rows' page tables) and the last tokens' logits [B, V] (a new
+        tensor)."""
+        N, hq, d = B * T, self.Hq, self.D
         x = self.embed.index_select(0, ids_d)                                   # [N, hidden] residual stream
         h = torch.empty_like(x)
         qkv = x.new_empty(N, (hq + 2 * self.H_kv) * d)
@@ -83,12 +128,12 @@ class Prefill(LayerOps):
         if not self.triton:
             self._set_rope(pos_d)
         panels = self.cpu_layers.layer_panels(self)
-        with model_attention(dev):
+        with model_attention(self.device):
             for l, lw in enumerate(self.layers):
                 p_qkv, p_o, p_gu, p_down = panels[l]
                 self._rmsnorm(x, lw.in_norm, lw.eps, h)
                 self._mm(h, lw.wqkv, qkv, bias=lw.bqkv, panels=p_qkv)
-                self._rope_append(lw, l, qkv, q, pos_d, B, T, end_d, nrows_d, slot)
+                self._rope_append(lw, l, qkv, q, pos_d, B, T, last_d, nrows_d, table)
                 a = attend(l, q.view(B, T, hq, d), lw.scaling)                  # [B, T, Hq, D]
                 self._mm(a.reshape(N, hq * d), lw.wo, x, accumulate=True, panels=p_o)  # x += attn @ Wo^T
                 self._rmsnorm(x, lw.post_norm, lw.eps, h)
@@ -102,14 +147,75 @@ class Prefill(LayerOps):
         self._mm(h_last, self.lm_head, logits, panels=self.cpu_layers.head_panels(self))
         return logits
 
-    def _paged_attention(self, B: int, T: int, starts: list[int], starts_d: torch.Tensor, slot: int, end: int):
+    # ------------------------------------------------------------------------------------- captured prefills
+    def _captured(self, rows: list[tuple[list[int], int]], slot: int, end: int) -> torch.Tensor:
+        """A small prefill as the replay of its bucket's CUDA graph (captured at the bucket's first prefill):
+        rows padded to a power of two up to GRAPH_ROWS (padding rows read no column and write nothing), new
+        parts left-padded to a power of two from GRAPH_MIN_TOKENS up to GRAPH_TOKENS; the rows' page tables
+        are copied into a table of the graph's own (a graph reads fixed addresses), and attention reads them
+        through the pages (`prefill_attention`, `end` read on the device)."""
+        bb = bucket_for(len(rows), GRAPH_ROWS)
+        tb = max(GRAPH_MIN_TOKENS, bucket_for(max(len(ids) for ids, _ in rows), GRAPH_TOKENS))
+        if not hasattr(self, "_prefill_graphs"):
+            n = GRAPH_ROWS * GRAPH_TOKENS
+            size = 2 * n + 2 * GRAPH_ROWS + 12
+            self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            self._prefill_in = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._prefill_host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+            self._prefill_sent = torch.cuda.Event()   # the last copy out of _prefill_host is done
+            self._prefill_table = torch.zeros(GRAPH_ROWS, self.S, dtype=torch.int32, device=self.device)
+        self._prefill_sent.synchronize()
+        host, at = self._inputs_host(rows, bb, tb, slot, end, out=self._prefill_host)
+        self._prefill_in[:at[-1]].copy_(host, non_blocking=True)
+        self._prefill_sent.record()
+        captured = self._prefill_graphs.get((bb, tb))
+        if captured is None:
+            captured = self._prefill_graphs[bb, tb] = self._capture_prefill(bb, tb, at)
+        graph, logits = captured
+        graph.replay()
+        return logits[:len(rows)].clone()
+
+    def _capture_prefill(self, bb: int, tb: int, at: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of a bucket's prefill over the static inputs (`_prefill_in`, laid out as `at` says) and its
+        logits [bb, V]. Its warm-up runs (Triton's compiles) write the same K/V at the same columns as the
+        prefill itself."""
+        ids_d, pos_d, starts_d, rows_d, last_d, end_d, nrows_d = _parts(self._prefill_in, at, bb, tb)
+        table = self._prefill_table[:bb]
+
+        def run() -> torch.Tensor:
+            torch.index_select(self.table, 0, rows_d, out=table)
+            return self._prefill_forward(ids_d, pos_d, bb, tb, last_d, nrows_d, table,
+                                 self._paged_attention(table, starts_d, end_d))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool()):
+            logits = run()
+        return graph, logits
+
+    @property
+    def prefill_buckets(self) -> set[tuple[int, int]]:
+        """The (rows, new tokens) buckets whose prefill graphs are captured."""
+        return set(getattr(self, "_prefill_graphs", ()))
+
+    def graph_pool(self):
+        """The memory pool this decoder's CUDA graphs share (replayed one at a time, in one stream)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    def _paged_attention(self, table: torch.Tensor, starts_d: torch.Tensor, end_d: torch.Tensor):
         """Attention through the rows' page tables (`lmq_kernels.triton.prefill_attention`): no K/V copied, a cached
         prefix that rows share read once from memory and from the L2 cache after."""
-        table, out = self.table[slot:slot + B], None
+        out = None
 
         def attend(l: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
             nonlocal out
-            out = prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, end, scaling, out=out)
+            out = prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, end_d, scaling, out=out)
             return out
         return attend
 

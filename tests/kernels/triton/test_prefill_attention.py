@@ -98,6 +98,24 @@ def test_a_wrong_column_range_is_caught():
         _check(dropped, _expected(q, dk, dv, start, end, news), news, atol=1e-5)
 
 
+@pytest.mark.interpreter
+def test_end_read_from_the_device_and_padding_past_the_first_column():
+    """`end` as a one-element int32 tensor (what a captured prefill's replay reads) gives the int's result, also
+    where the queries are left-padded to more tokens than the rows have columns before `end` (a graph's bucket
+    of new tokens): the real tokens' outputs are the same, the padding's finite."""
+    case = (2, 3, 2, 2, 16, 32, [3, 2], [2, 0])   # end = 5
+    B, T, Hkv, G, D, S, news, cached = case
+    q, k, v, table, start, end, dk, dv = _case(*case)
+    k, v = k.nan_to_num(0), v.nan_to_num(0)
+    want = prefill_attention(q, k, v, table, start, end)
+    end_t = torch.tensor([end], dtype=torch.int32)
+    assert torch.equal(prefill_attention(q, k, v, table, start, end_t), want)
+    padded = torch.cat([torch.randn(B, 8 - T, *q.shape[2:]), q], dim=1)   # 8 tokens a row, end - 8 < 0
+    out = prefill_attention(padded, k, v, table, start, end_t)
+    torch.testing.assert_close(out[:, 8 - T:], want, atol=1e-6, rtol=0)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("case", CASES + [(8, 40, 8, 4, 64, 1280, [40, 33, 25, 40, 12, 40, 1, 30],
