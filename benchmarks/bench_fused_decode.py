@@ -4,7 +4,8 @@ For SmolLM2-135M- and Llama-3.2-1B-shaped models, batch 1 and 16:
   hf     HF forward (sdpa) of 1 token with a DynamicCache of 2047 tokens and an all-ones mask
   fused  lmq FusedDecoder.step (CUDA graphs) from device tensors, the whole step incl. its input copies;
          `step_host` = the engine's entry (inputs from host lists in one copy); `graph` = replay alone
-  floor  (weight bytes + K/V bytes of the step) / HBM_BW
+  floor  (weight bytes + K/V bytes of the step) / the device's copy bandwidth, measured in the same run (bytes
+         read + written per second by a 1 GiB device-to-device copy)
 Then end-to-end on the 1B shape: a 2,050-token prompt + 32 greedy new tokens, HF `generate` vs
 (lmq's fused prefill into the pool + 31 fused steps, argmax on the GPU), and the prefill alone: fused vs
 HF forward (K/V copied into the pool).
@@ -24,7 +25,7 @@ import types
 
 import torch
 
-HBM_BW = 4.3e12  # B/s, a device-to-device copy bandwidth measured on the reference GPU
+HBM_BW = 0.0  # B/s, set by `main` from `copy_bandwidth()` on this run's device
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -87,6 +88,14 @@ def build(shape: str):
 
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (the median of 20)."""
+    src, dst = (torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    dst.copy_(src)
+    ms = cuda_ms(lambda: dst.copy_(src), 20)
+    return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def cuda_ms(fn, iters: int, reps: int = 5, sync_each: bool = False) -> float:
@@ -267,7 +276,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ctx", type=int, default=2048)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    global HBM_BW
+    HBM_BW = copy_bandwidth()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy bandwidth (read + write) "
+          f"{HBM_BW / 1e12:.2f} TB/s", flush=True)
     rows = []
     decs = {}
     for shape in SHAPES:

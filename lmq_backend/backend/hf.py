@@ -86,7 +86,7 @@ class HFBackend(Backend):
     quantized on the CPU (`engine/quantize.py`; the default model's "int4" is its shipped Q4_1 file). Use
     `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not).
 
-    Cache tiers: `host_cache` ("auto": none for now, see `cache.tiers.TierOptions`; or bytes of pinned host
+    Cache tiers: `host_cache` ("auto": none, see `cache.tiers.TierOptions`; or bytes of pinned host
     memory on a GPU, plain memory on the CPU); `disk_cache` ("default": `lmq cache ls` shows the folder, $LMQ_DISK_CACHE=off turns it
     off; a folder; None for none) within `disk_budget`, shared by every process of the same model."""
 

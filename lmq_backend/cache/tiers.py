@@ -383,9 +383,8 @@ class CacheTiers:
 @dataclass(slots=True)
 class TierOptions:
     """What a backend asks of the tiers under its prefix cache: `host_bytes` of host memory (None: "auto",
-    none: on the CPU the store is host memory already, and on a GPU the benchmark that refills a small device
-    trie from the host tier (benchmarks/bench_tiers.py host) measures its loads no quicker than the prefills
-    they replace; 0: none), a disk
+    none: on the CPU the store is host memory already, and on a GPU pinned host memory is taken only when
+    given, as its size is the user's to choose; 0: none), a disk
     `folder` (None: none) of at most `disk_bytes`, keyed by the weights' `fingerprint()` (called only then) and
     `weights_dtype` (a quantized dtype; None: the store's); `name` describes the model in `lmq cache ls`."""
 
