@@ -18,7 +18,10 @@ Grid ``(cdiv(T, BLOCK_T), B * H_kv)``: a program takes ``BLOCK_T`` tokens of one
 of one KV head (``BLOCK_T * G_PAD`` query rows, one ``tl.dot`` tile), and walks the columns its last token may
 see, ``BLOCK_N`` at a time, through the page table, with an online softmax (base 2). Rows that share a cached
 prefix read the same slots, which the GPU's L2 serves after the first reader: the gather of every row's
-columns that this replaces moved each row's prefix through memory twice per layer. float32 inputs use
+columns that this replaces moved each row's prefix through memory twice per layer. Where those programs are
+far fewer than the GPU's multiprocessors (a few rows' new tokens after a long prefix), each program's columns
+are split into ``SPLITS`` parts (grid axis 2; `splits_for`), each part's running max, sum and unnormalised
+output go to a float32 scratch, and a second kernel (`_combine_src`, one program a query row) combines them. float32 inputs use
 IEEE dots (no TF32), so float32 results stay within rounding of the reference.
 
 On CPU tensors the kernel runs through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
@@ -33,24 +36,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import interpreter_active
+from .decode_attention import interpreter_active, sm_count
 
-__all__ = ["prefill_attention", "prefill_attention_reference", "programs"]
+__all__ = ["prefill_attention", "prefill_attention_reference", "programs", "splits_for"]
 
 
 def _prefill_src(
-    Q, K, V, TABLE, START, END, OUT,
+    Q, K, V, TABLE, START, END, OUT, MID_O, MID_ML,
     qk_scale,  # sm_scale * log2(e)
-    T, H_KV,
+    T, H_KV, HQ,
     stride_qb, stride_qt, stride_qh,
     stride_tb,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     t0 = tl.program_id(0) * BLOCK_T
+    split = tl.program_id(2)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
@@ -70,6 +75,11 @@ def _prefill_src(
     qcol = end - T + t                             # [BLOCK_M] the query's own column
     lo = tl.load(START + b).to(tl.int32)
     hi = tl.minimum(end, end - T + t0 + BLOCK_T)   # past the block's last column
+    if SPLITS > 1:  # this program's share of the columns, whole tiles of them
+        per = (tl.maximum(hi - lo, 0) + SPLITS - 1) // SPLITS
+        per = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
@@ -93,22 +103,51 @@ def _prefill_src(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(OUT + b64 * stride_ob + t.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-             + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(OUT + b64 * stride_ob + t.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    else:  # the split's running max, sum and unnormalised output, for `_combine_src`
+        row = ((b64 * T + t.to(tl.int64)) * HQ + heads) * SPLITS + split     # [BLOCK_M]
+        tl.store(MID_O + row[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(MID_ML + row * 2, m_i, mask=mask_m)
+        tl.store(MID_ML + row * 2 + 1, l_i, mask=mask_m)
+
+
+def _combine_src(MID_O, MID_ML, OUT, T, HQ, stride_ob, stride_ot, stride_oh,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """One query row (token, head) a program: its splits' partial softmaxes into the output."""
+    r = tl.program_id(0).to(tl.int64)              # (b * T + t) * HQ + head
+    head = r % HQ
+    t = (r // HQ) % T
+    b = r // (HQ * T)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.load(MID_ML + (r * SPLITS + offs_s) * 2)
+    l = tl.load(MID_ML + (r * SPLITS + offs_s) * 2 + 1)
+    acc = tl.load(MID_O + (r * SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :],
+                  other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))
+    total = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(OUT + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, o.to(OUT.dtype.element_ty),
+             mask=offs_d < D)
 
 
 _JIT_KW = dict(do_not_specialize=["T"])
 _prefill_kernel = triton.jit(**_JIT_KW)(_prefill_src)
+_combine_kernel = triton.jit(**_JIT_KW)(_combine_src)
 
 
 @functools.lru_cache(maxsize=None)
-def _interpreted_kernel():
+def _interpreted_kernels():
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(_prefill_kernel, InterpretedFunction):
-        return _prefill_kernel
-    return InterpretedFunction(_prefill_src, **_JIT_KW)
+        return _prefill_kernel, _combine_kernel
+    return InterpretedFunction(_prefill_src, **_JIT_KW), InterpretedFunction(_combine_src, **_JIT_KW)
 
 
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,13 +183,28 @@ def programs(B: int, T: int, Hq: int, H_kv: int, D: int, dtype: torch.dtype) -> 
     return triton.cdiv(T, _config(Hq // H_kv, D, dtype)[1]) * B * H_kv
 
 
+def splits_for(B: int, T: int, Hq: int, H_kv: int, D: int, dtype: torch.dtype, columns: int, sms: int) -> int:
+    """Into how many parts `prefill_attention` splits each program's columns: 1 where its programs fill the
+    GPU's `sms` multiprocessors or the `columns` (an upper bound of those a row reads) are few; else the power
+    of two, up to 16, that brings the programs closest to one a multiprocessor with at least two tiles of
+    columns each."""
+    progs, block_n = programs(B, T, Hq, H_kv, D, dtype), _config(Hq // H_kv, D, dtype)[2]
+    s = 1
+    while s < 16 and progs * 2 * s <= sms and columns >= 2 * s * 2 * block_n:
+        s *= 2
+    return s
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       start: torch.Tensor, end: int | torch.Tensor, sm_scale: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Attention of the new tokens ``q`` [B, T, Hq, D] of B rows over their page tables (see the module's
     docstring for the layout). ``start``: int32 [B] on q's device; ``end``: the common end column, an int
     (``T <= end <= S``) or a one-element int32 tensor on q's device that holds it (read when the kernel runs,
-    as a CUDA graph's replay needs; not checked). Returns ``out`` [B, T, Hq, D] in q's dtype."""
+    as a CUDA graph's replay needs; not checked). ``splits``: the parts each program's columns are split into
+    (a power of two; None: `splits_for`, from the shapes and ``end``, or the table's width where ``end`` is a
+    tensor), each part's partial softmax combined by a second kernel. Returns ``out`` [B, T, Hq, D] in q's
+    dtype."""
     B, T, Hq, D = q.shape
     slots, H_kv, Dk = k_cache.shape
     assert Dk == D and Hq % H_kv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
@@ -169,24 +223,36 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     assert out.shape == (B, T, Hq, D) and out.stride(-1) == 1
     if q.device.type == "cuda":
-        kernel = _prefill_kernel
+        kernel, combine = _prefill_kernel, _combine_kernel
     elif interpreter_active():
-        kernel = _interpreted_kernel()
+        kernel, combine = _interpreted_kernels()
     else:
         out.copy_(prefill_attention_reference(q, k_cache, v_cache, table, start, int(end_t[0]), sm_scale))
         return out
     G = Hq // H_kv
     g_pad, block_t, block_n, warps = _config(G, D, q.dtype)
-    kernel[(triton.cdiv(T, block_t), B * H_kv)](
-        q, k_cache, v_cache, table, start, end_t, out,
+    if splits is None:
+        columns = table.shape[1] if isinstance(end, torch.Tensor) else end
+        splits = splits_for(B, T, Hq, H_kv, D, q.dtype, columns, sm_count(q.device))
+    assert splits >= 1 and splits & (splits - 1) == 0, splits
+    if splits > 1:
+        mid_o = torch.empty(B * T * Hq * splits * D, dtype=torch.float32, device=q.device)
+        mid_ml = torch.empty(B * T * Hq * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_ml = out
+    kernel[(triton.cdiv(T, block_t), B * H_kv, splits)](
+        q, k_cache, v_cache, table, start, end_t, out, mid_o, mid_ml,
         float(sm_scale) * 1.4426950408889634,
-        T, H_kv,
+        T, H_kv, Hq,
         q.stride(0), q.stride(1), q.stride(2),
         table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, G_PAD=g_pad, BLOCK_T=block_t, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
         num_warps=warps,
     )
+    if splits > 1:
+        combine[(B * T * Hq,)](mid_o, mid_ml, out, T, Hq, out.stride(0), out.stride(1), out.stride(2),
+                               D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits, num_warps=1)
     return out

@@ -87,6 +87,27 @@ def test_matches_independent_attention(case):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("case", CASES)
+def test_columns_split_into_parts_match(case, splits):
+    """Each program's columns split into parts (few rows after a long prefix on a large GPU), their partial
+    softmaxes combined: the same attention, also where a part has no column (more parts than tiles)."""
+    B, T, Hq, G, D, S, news, cached = case
+    q, k, v, table, start, end, dk, dv = _case(*case)
+    out = prefill_attention(q, k, v, table, start, torch.tensor([end], dtype=torch.int32), splits=splits)
+    _check(out, _expected(q, dk, dv, start, end, news), news, atol=1e-5)
+
+
+def test_splits_only_where_programs_are_few_and_columns_many():
+    from lmq_kernels.triton.prefill_attention import splits_for
+
+    one_row = dict(B=2, T=20, Hq=32, H_kv=8, D=64, dtype=torch.bfloat16, sms=132)
+    assert splits_for(**one_row, columns=1120) == 8          # 16 programs -> 128
+    assert splits_for(**one_row, columns=40) == 1            # a short prompt: nothing to split
+    assert splits_for(**{**one_row, "B": 256, "T": 30}, columns=1120) == 1   # programs fill the GPU
+
+
+@pytest.mark.interpreter
 def test_a_wrong_column_range_is_caught():
     """The comparison has teeth: the kernel run with every row's first column dropped (start + 1) fails it."""
     case = CASES[1]
