@@ -11,7 +11,7 @@ Without a host tier, an evicted node goes to disk directly. The host tier keeps 
 that node again costs nothing); the disk tier keeps what it has until its budget evicts it.
 
 The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line marked "cache tiers" where it is):
-    PrefixTrie.evict          `on_evict(leaf, prefix ids)` before the leaf's slots are freed  -> `evicted`
+    PrefixTrie.evict          `on_evict(trie, leaf)` before the leaf's slots are freed       -> `evicted`
     PrefixCache.extend        each node a prefill or a hole stored                          -> `inserted`
     PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `stage_from` on the loop; `stage`
                               in a worker thread reads the files that continue the device and host matches
@@ -92,15 +92,15 @@ class CacheTiers:
 
     # ----- down ---------------------------------------------------------------------------------------
 
-    def evicted(self, node: TrieNode, prefix: tuple[int, ...]) -> None:
-        """The trie evicts `node` (the tokens `prefix` end with its own): keep its K/V in the host tier, else
-        on disk (nodes of `min_tokens` or more). Never raises: a tier that fails is a miss later, with one
-        warning."""
+    def evicted(self, trie: PrefixTrie, node: TrieNode) -> None:
+        """`trie` evicts `node` (still in place): keep its K/V in the host tier, else on disk (nodes of
+        `min_tokens` or more; their token ids from the root are read only then). Never raises: a tier that
+        fails is a miss later, with one warning."""
         try:
             tokens = len(node.ids)
             if tokens < self.min_tokens:
                 return
-            ids = np.asarray(prefix, dtype=np.int32)
+            ids = np.asarray(trie.path_ids(node), dtype=np.int32)
             start = len(ids) - tokens
             if self.host is None:
                 start_key = prefix_key(ids[:start])

@@ -46,6 +46,7 @@ The cache's API, and a request's lifecycle in it, are `prefix_cache.py`'s.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -92,7 +93,7 @@ class PrefixTrie:
         self._n_nodes = 0
         self._clock = 0
         # cache tiers (cache/tiers.py): called with each leaf evict() drops and its prefix's ids, before its slots go
-        self.on_evict: Callable[[TrieNode, tuple[int, ...]], None] | None = None
+        self.on_evict: Callable[[PrefixTrie, TrieNode], None] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -270,7 +271,7 @@ class PrefixTrie:
 
     def path_ids(self, node: TrieNode) -> tuple[int, ...]:
         """The token ids from the root to the end of node (the cache tiers key a node's K/V by them)."""
-        return tuple(t for n in self.path(node) for t in n.ids)
+        return tuple(itertools.chain.from_iterable(n.ids for n in self.path(node)))
 
     def evictable_bytes(self) -> int:
         """Bytes of nodes with lock == 0 (each such node's whole subtree is unpinned, so all of it
@@ -295,7 +296,7 @@ class PrefixTrie:
             parent = leaf.parent
             assert parent is not None and not leaf.children and leaf.lock == 0
             if self.on_evict is not None:  # cache tiers: the leaf's K/V moves down a tier
-                self.on_evict(leaf, self.path_ids(leaf))
+                self.on_evict(self, leaf)
             freed += leaf.nbytes
             self.bytes_in_use -= leaf.nbytes
             self.evictions += 1
