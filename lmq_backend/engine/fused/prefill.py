@@ -22,6 +22,7 @@ from lmq_kernels import cpu
 from lmq_kernels.triton.decode_attention import sm_count
 from lmq_kernels.triton.prefill_attention import prefill_attention
 from lmq_kernels.triton.prefill_attention import programs as paged_programs
+from lmq_kernels.triton.prefill_attention import splits_for
 
 from ..attention import PREFILL_READ, grouped_attention, model_attention
 from .ops import LayerOps
@@ -85,7 +86,8 @@ class Prefill(LayerOps):
             attend = self._cpu_attention(B, T, starts, starts_d, slot, end, m)
         elif self.paged_attention and (not self.cuda or B * (end - min(starts)) > PREFILL_READ
                                        or paged_programs(B, T, hq, self.H_kv, d, self.dtype) >= sm_count(dev)):
-            attend = self._paged_attention(self.table[slot:slot + B], starts_d, end_d)
+            attend = self._paged_attention(self.table[slot:slot + B], starts_d, end_d,
+                                           splits_for(B, T, hq, self.H_kv, d, self.dtype, end, sm_count(dev)))
         else:
             attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
         return self._prefill_forward(ids_d, pos_d, B, T, last_d, nrows_d, self.table[slot:slot + B], attend)
@@ -153,13 +155,15 @@ class Prefill(LayerOps):
         rows padded to a power of two up to GRAPH_ROWS (padding rows read no column and write nothing), new
         parts left-padded to a power of two from GRAPH_MIN_TOKENS up to GRAPH_TOKENS; the rows' page tables
         are copied into a table of the graph's own (a graph reads fixed addresses), and attention reads them
-        through the pages (`prefill_attention`, `end` read on the device)."""
+        through the pages (`prefill_attention`, `end` read on the device, its columns split into as many
+        parts as `splits_for` gives this `end`: a graph per bucket and number of parts)."""
         bb = bucket_for(len(rows), GRAPH_ROWS)
         tb = max(GRAPH_MIN_TOKENS, bucket_for(max(len(ids) for ids, _ in rows), GRAPH_TOKENS))
+        splits = splits_for(bb, tb, self.Hq, self.H_kv, self.D, self.dtype, end, sm_count(self.device))
         if not hasattr(self, "_prefill_graphs"):
             n = GRAPH_ROWS * GRAPH_TOKENS
             size = 2 * n + 2 * GRAPH_ROWS + 12
-            self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            self._prefill_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
             self._prefill_in = torch.zeros(size, dtype=torch.int32, device=self.device)
             self._prefill_host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
             self._prefill_sent = torch.cuda.Event()   # the last copy out of _prefill_host is done
@@ -168,14 +172,15 @@ class Prefill(LayerOps):
         host, at = self._inputs_host(rows, bb, tb, slot, end, out=self._prefill_host)
         self._prefill_in[:at[-1]].copy_(host, non_blocking=True)
         self._prefill_sent.record()
-        captured = self._prefill_graphs.get((bb, tb))
+        captured = self._prefill_graphs.get((bb, tb, splits))
         if captured is None:
-            captured = self._prefill_graphs[bb, tb] = self._capture_prefill(bb, tb, at)
+            captured = self._prefill_graphs[bb, tb, splits] = self._capture_prefill(bb, tb, splits, at)
         graph, logits = captured
         graph.replay()
         return logits[:len(rows)].clone()
 
-    def _capture_prefill(self, bb: int, tb: int, at: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_prefill(self, bb: int, tb: int, splits: int,
+                         at: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of a bucket's prefill over the static inputs (`_prefill_in`, laid out as `at` says) and its
         logits [bb, V]. Its warm-up runs (Triton's compiles) write the same K/V at the same columns as the
         prefill itself."""
@@ -185,7 +190,7 @@ class Prefill(LayerOps):
         def run() -> torch.Tensor:
             torch.index_select(self.table, 0, rows_d, out=table)
             return self._prefill_forward(ids_d, pos_d, bb, tb, last_d, nrows_d, table,
-                                 self._paged_attention(table, starts_d, end_d))
+                                 self._paged_attention(table, starts_d, end_d, splits))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -200,7 +205,7 @@ class Prefill(LayerOps):
     @property
     def prefill_buckets(self) -> set[tuple[int, int]]:
         """The (rows, new tokens) buckets whose prefill graphs are captured."""
-        return set(getattr(self, "_prefill_graphs", ()))
+        return {key[:2] for key in getattr(self, "_prefill_graphs", ())}
 
     def graph_pool(self):
         """The memory pool this decoder's CUDA graphs share (replayed one at a time, in one stream)."""
@@ -208,14 +213,17 @@ class Prefill(LayerOps):
             self._graph_pool = torch.cuda.graph_pool_handle()
         return self._graph_pool
 
-    def _paged_attention(self, table: torch.Tensor, starts_d: torch.Tensor, end_d: torch.Tensor):
+    def _paged_attention(self, table: torch.Tensor, starts_d: torch.Tensor, end_d: torch.Tensor,
+                         splits: int | None = None):
         """Attention through the rows' page tables (`lmq_kernels.triton.prefill_attention`): no K/V copied, a cached
-        prefix that rows share read once from memory and from the L2 cache after."""
+        prefix that rows share read once from memory and from the L2 cache after. `splits`: see there (None:
+        from the shapes and the table's width)."""
         out = None
 
         def attend(l: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
             nonlocal out
-            out = prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, end_d, scaling, out=out)
+            out = prefill_attention(q, self.k_cache[l], self.v_cache[l], table, starts_d, end_d, scaling, out=out,
+                                    splits=splits)
             return out
         return attend
 
