@@ -44,7 +44,7 @@ import workloads as W  # noqa: E402
 from lmq_kernels import cpu  # noqa: E402
 from lmq_kernels.cpu import benches as cpu_benches  # noqa: E402
 from lmq_kernels.cpu.toolchain import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
-from lmq_kernels.cpu.calibration import measure  # noqa: E402
+from lmq_kernels.cpu.calibration import measure_pair as measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
