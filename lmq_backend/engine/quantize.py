@@ -12,8 +12,9 @@ the weights are stored small:
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
 (`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
-calibration measured it faster than the alternative; more rows (long prefills) de-quantize the weight once
-into panels and multiply in lmq's float32 GEMM (`_panels_mm`) where calibration chose it; the alternative, or
+calibration measured it faster than the alternative; more rows (long prefills) multiply in lmq's float32 GEMM
+over the weight de-quantized into panels (`_panels_mm`) where calibration chose it, the panels kept for the
+next prefill within a byte budget (`PanelCache`: `LMQ_QUANT_PANELS_MB`, 0 turns it off); the alternative, or
 no C compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, far faster than
 torch's passes) and use torch's GEMM. torch's own weight-only kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) measured many times slower than float32 `torch.mm` (benchmarks/bench_quantized.py)
@@ -23,7 +24,9 @@ or alone, as in float32.
 """
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -101,16 +104,18 @@ class QuantizedLinear(nn.Module):
                 _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
 
     def _panels_mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool) -> bool:
-        """out (+)= a @ W^T with W de-quantized once into panels (`cpu.dequantize`: a reused buffer, one pass)
-        and lmq's small-M GEMM over them (`cpu.small_m_mm(panels=)`, up to cpu.GEMM_MAX_ROWS rows a call, where
+        """out (+)= a @ W^T with W de-quantized into panels (`cpu.dequantize`, one pass) and lmq's small-M GEMM
+        over them (`cpu.small_m_mm(panels=)`, up to cpu.GEMM_MAX_ROWS rows a call, where
         calibration chose it for the class), a chunk torch's GEMM on the de-quantized weight where it did not.
-        False (nothing computed) where the panels cannot be made. At a few hundred rows (several chats' new
-        turns) faster than torch's GEMM on the de-quantized weight; up to 64 rows the quantized kernel is faster
-        (the panels' transposing copy costs more than it saves there)."""
-        n, k = self.shape
-        panels = _panel_buffer(n, k)
-        if panels is None or not cpu.dequantize(self.qweight, self.scales, self.zeros, panels):
+        The panels come from `PANEL_CACHE` (made at this weight's first such call and kept, within its budget),
+        else are de-quantized into a reused buffer for this call. False (nothing computed) where the panels
+        cannot be made. At a few hundred rows (several chats' new turns) faster than torch's GEMM on the
+        de-quantized weight; up to 64 rows the quantized kernel is faster (the panels' transposing copy costs
+        more than it saves there)."""
+        panels = PANEL_CACHE.panels(self)
+        if panels is None:
             return False
+        n, k = self.shape
         shape_only = panels.view(k, n)   # small_m_mm's K-major operand: not read, the panels pass its checks
         step, w = cpu.GEMM_MAX_ROWS, None
         for i in range(0, a.shape[0], step):
@@ -174,6 +179,8 @@ class QuantizedLinear(nn.Module):
 
 _panels = threading.local()   # per thread: (n, k) -> a float32 [n / PANEL, k, PANEL] buffer, reused
 PANEL_BUFFER_MAX = 64 << 20   # bytes: a larger weight (an LM head) de-quantizes for torch's GEMM instead
+PANELS_ENV = "LMQ_QUANT_PANELS_MB"
+PANELS_DEFAULT_SHARE = 0.1    # the default budget: this share of the machine's memory (as the float32 panels')
 
 
 def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
@@ -185,6 +192,105 @@ def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
     if (n, k) not in buffers:
         buffers[(n, k)] = torch.empty(n // PANEL, k, PANEL)
     return buffers[(n, k)]
+
+
+def default_panel_budget() -> int:
+    """The panel cache's budget in bytes: `LMQ_QUANT_PANELS_MB` (megabytes; 0 turns the cache off) where it is a
+    number, else PANELS_DEFAULT_SHARE of the machine's memory (0 where that is unknown)."""
+    value = os.environ.get(PANELS_ENV, "").strip()
+    if value:
+        try:
+            return max(0, int(float(value) * (1 << 20)))
+        except ValueError:
+            pass
+    try:
+        return int(PANELS_DEFAULT_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class PanelCache:
+    """De-quantized panels ([N / PANEL, K, PANEL] float32, `cpu.dequantize`) of `QuantizedLinear` weights, kept
+    for their next long prefill, at most `budget` bytes in all (None: `default_panel_budget()`, read at first
+    use; 0: nothing is kept).
+
+    A prefill multiplies every layer in order, each once: under a least-recently-used policy a budget smaller
+    than all the layers' panels would evict each layer's panels just before their next use. So the panels made
+    first are kept and, once the budget is spent, the others are de-quantized for each call (into a reused
+    buffer) as without a cache. An entry goes with its module, and is made again where the module's
+    quantized tensors were changed or replaced since (a weights load). Thread-safe."""
+
+    def __init__(self, budget: int | None = None):
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[tuple, torch.Tensor]] = {}   # id(module) -> (its tensors' stamp, panels)
+        self.used = 0          # bytes held
+        self.made = 0          # panels de-quantized by `panels` (kept or not)
+
+    @property
+    def budget(self) -> int:
+        """The budget in bytes."""
+        if self._budget is None:
+            self._budget = default_panel_budget()
+        return self._budget
+
+    def set_budget(self, budget: int | None) -> None:
+        """A new budget in bytes (None: the default); the panels kept are dropped."""
+        with self._lock:
+            self._budget = None if budget is None else max(0, int(budget))
+            self._entries.clear()
+            self.used = 0
+
+    def clear(self) -> None:
+        """Drop every kept panel (the budget stays)."""
+        self.set_budget(self._budget)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _stamp(layer: "QuantizedLinear") -> tuple:
+        tensors = (layer.qweight, layer.scales, layer.zeros)
+        return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
+
+    def panels(self, layer: "QuantizedLinear") -> torch.Tensor | None:
+        """`layer`'s weight as panels: the kept copy where one is current, else de-quantized now (kept where it
+        fits the budget, else into this thread's reused buffer, valid until its next use). None where n is no
+        multiple of PANEL, or the weight is too large for a buffer and not kept, or lmq's kernels cannot run."""
+        n, k = layer.shape
+        if n % PANEL:
+            return None
+        key, stamp, size = id(layer), self._stamp(layer), 4 * n * k
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == stamp:
+                return entry[1]
+            keep = self.used - (entry[1].numel() * 4 if entry is not None else 0) + size <= self.budget
+        panels = torch.empty(n // PANEL, k, PANEL) if keep else _panel_buffer(n, k)
+        if panels is None or not cpu.dequantize(layer.qweight, layer.scales, layer.zeros, panels):
+            return None
+        self.made += 1
+        if keep:
+            with self._lock:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self.used -= old[1].numel() * 4
+                if self.used + size <= self.budget:
+                    if old is None:
+                        weakref.finalize(layer, self._drop, key)
+                    self._entries[key] = (stamp, panels)
+                    self.used += size
+        return panels
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self.used -= entry[1].numel() * 4
+
+
+# the process's panel cache, which every QuantizedLinear's long prefills use
+PANEL_CACHE = PanelCache()
 
 
 def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
