@@ -282,6 +282,21 @@ class PanelCache:
                     self.used += size
         return panels
 
+    def warm(self, layers) -> int:
+        """Make and keep the panels of each of `layers` (QuantizedLinear) that has none and fits what is left of
+        the budget, in order (a model's load: its first long prefill then de-quantizes nothing); returns how
+        many were made. Nothing is de-quantized that would not be kept."""
+        made = 0
+        for layer in layers:
+            n, k = layer.shape
+            with self._lock:
+                entry = self._entries.get(id(layer))
+                if n % PANEL or (entry is not None and entry[0] == self._stamp(layer)) \
+                        or self.used + 4 * n * k > self.budget:
+                    continue
+            made += self.panels(layer) is not None
+        return made
+
     def _drop(self, key: int) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)

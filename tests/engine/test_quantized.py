@@ -117,6 +117,19 @@ def test_panel_cache_keeps_prefill_panels_within_its_budget_with_the_same_result
     assert len(PANEL_CACHE) == 2 and PANEL_CACHE.used == 4 * 576 * (192 + 64)
 
 
+@pytest.mark.cpu_kernels
+def test_panel_cache_warm_keeps_what_fits_and_makes_nothing_else():
+    """A model's load fills the cache (`warm`): the layers' panels in order while they fit, nothing de-quantized
+    for one that does not (it would not be kept), nothing again for those kept."""
+    assert cpu.available(), cpu.build_error()
+    lins = [QuantizedLinear.quantize(torch.randn(n, 64), None, "int4") for n in (128, 192, 64, 96)]
+    cache = PanelCache(4 * 64 * (128 + 64))
+    assert cache.warm(lins) == 2 and cache.made == 2                     # 128 and 64; 192 too large; 96 no panels
+    assert cache.used == cache.budget and len(cache) == 2
+    assert cache.warm(lins) == 0 and cache.made == 2
+    assert torch.equal(cache.panels(lins[2]), lins[2].dequantize().t().reshape(64, 1, 64).permute(1, 0, 2))
+
+
 def test_panel_budget_default_and_env(monkeypatch):
     """The budget: LMQ_QUANT_PANELS_MB megabytes (0: off), else a tenth of the machine's memory."""
     monkeypatch.setenv(PANELS_ENV, "0")
