@@ -181,12 +181,15 @@ static inline __attribute__((always_inline)) void columns_of(
      * [n kc_rows, (n + w) kc_rows), w floats an iteration), rather than as the block's own columns a chunk
      * further (lines 4 apart at 64 columns): the hardware's prefetchers then run ahead of the stream, and the
      * weights of a chunk of many rows arrive while it computes (rather than after) */
-    const int stream = contiguous && n0 == 0 && n2 == ldw;
+    if (contiguous && n0 == 0 && n2 == ldw) {      /* (a constant `stream` in each instance of the loops) */
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n0, n1, n2, kc_rows, mr, nv, 1);
+        return;
+    }
     for (long p = n0; p < n1; p += step) {
         const long p1 = n1 - p < step ? n1 : p + step;
-        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows, mr, nv, stream);
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows, mr, nv, 0);
     }
-    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows, mr, nv, stream);
+    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows, mr, nv, 0);
 }
 
 /* columns_of in the block for up to FEW_ROWS rows (K-major weights: at every row count), and in the one for
