@@ -7,7 +7,7 @@ the weights are stored small:
 
     int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
     int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
-                                             (lmq_kernels.triton/qgemm.c), d and m [N, K/32]: g = k / 32
+                                             (kernels/cpu/qgemm.c), d and m [N, K/32]: g = k / 32
 
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
