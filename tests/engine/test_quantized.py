@@ -118,9 +118,10 @@ def test_panel_cache_keeps_prefill_panels_within_its_budget_with_the_same_result
 
 
 @pytest.mark.cpu_kernels
-def test_panel_cache_warm_keeps_what_fits_and_makes_nothing_else():
+def test_panel_cache_warm_keeps_what_fits_and_makes_nothing_else(monkeypatch):
     """A model's load fills the cache (`warm`): the layers' panels in order while they fit, nothing de-quantized
     for one that does not (it would not be kept), nothing again for those kept."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")                           # lmq's GEMM: the panels
     assert cpu.available(), cpu.build_error()
     lins = [QuantizedLinear.quantize(torch.randn(n, 64), None, "int4") for n in (128, 192, 64, 96)]
     cache = PanelCache(4 * 64 * (128 + 64))
@@ -128,6 +129,24 @@ def test_panel_cache_warm_keeps_what_fits_and_makes_nothing_else():
     assert cache.used == cache.budget and len(cache) == 2
     assert cache.warm(lins) == 0 and cache.made == 2
     assert torch.equal(cache.panels(lins[2]), lins[2].dequantize().t().reshape(64, 1, 64).permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torchs_long_prefills_keep_the_dense_weight(kind, panel_budget, monkeypatch):
+    """Where torch's GEMM runs a long prefill (LMQ_CPU_KERNELS=0, as without a C compiler or where calibration
+    chose it), the weight de-quantized to [N, K] is what is kept (and what a load keeps): the second prefill
+    de-quantizes nothing, with the same bits."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
+    torch.manual_seed(2)
+    lin = QuantizedLinear.quantize(torch.randn(96, 64) * 0.05, None, kind)
+    x = torch.randn(70, 64)
+    want = x @ lin.dequantize().t()
+    panel_budget(None)
+    made = PANEL_CACHE.made
+    assert torch.equal(lin(x), want) and torch.equal(lin(x), want)
+    assert PANEL_CACHE.made - made == 1 and PANEL_CACHE.used == 4 * 96 * 64
+    cache = PanelCache()
+    assert cache.warm([lin]) == 1 and torch.equal(cache.get(lin, "dense"), lin.dequantize())
 
 
 def test_panel_budget_default_and_env(monkeypatch):

@@ -30,7 +30,7 @@ import torch
 from lmq_kernels import cpu
 from lmq_kernels.cpu.step import MAX_ROWS, Layer, LayerPlan, Weight, decode_layers, panel_major
 
-from ..quantize import PANEL_CACHE, QuantizedLinear
+from ..quantize import QuantizedLinear
 from .weights import decoder_weights, loads
 
 __all__ = ["CpuLayers", "plan_for", "step_class", "weights_kind", "panels_fit", "head_panels_fit", "make_panels"]
@@ -93,13 +93,10 @@ def _head_panels(laid_out) -> torch.Tensor | None:
 
 def make_panels(model) -> None:
     """The panel-major weight copies of `model` that lmq's C kernels read, made now (at the model's load)
-    rather than inside its first query's call: a float32 model's, and a quantized model's layers' weights
-    de-quantized into panels for its long prefills (`PANEL_CACHE`, within its budget)."""
+    rather than inside its first query's call."""
     laid_out = decoder_weights(model)
     _layer_weights(laid_out)
     _head_panels(laid_out)
-    PANEL_CACHE.warm(w for lw in laid_out.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)
-                     if isinstance(w, QuantizedLinear))
 
 
 class CpuLayers:
