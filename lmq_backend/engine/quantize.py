@@ -15,8 +15,9 @@ The int4 form is GGUF's Q4_1, so the default model's shipped weights load as the
 calibration measured it faster than the alternative; more rows (long prefills, `_long_mm`) multiply in
 lmq's float32 GEMM over the weight de-quantized into panels where calibration chose it, else (or without a C
 compiler) in torch's GEMM over the weight de-quantized to float32 [N, K] (`dense`: lmq's copy kernel, far
-faster than torch's passes). Either float32 form is kept for the next prefill within a byte budget
-(`PanelCache`: `LMQ_QUANT_PANELS_MB`, 0 turns it off). torch's own weight-only kernels (`_weight_int8pack_mm`,
+faster than torch's passes; also where calibration chose torch's GEMM over the quantized kernel). Either
+float32 form is kept for the next call within a byte budget (`PanelCache`: `LMQ_QUANT_PANELS_MB`, 0 turns it
+off). torch's own weight-only kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) measured many times slower than float32 `torch.mm` (benchmarks/bench_quantized.py)
 and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
@@ -84,7 +85,8 @@ class QuantizedLinear(nn.Module):
            bias: torch.Tensor | None = None) -> None:
         """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
         KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
-        torch's GEMM on the de-quantized weight; more (long prefills): `_long_mm`."""
+        torch's GEMM on the de-quantized weight (`PANEL_CACHE`'s dense form); more (long prefills):
+        `_long_mm`."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
@@ -95,12 +97,12 @@ class QuantizedLinear(nn.Module):
             self._long_mm(a, out, accumulate)
             return
         if m <= 16:
-            _dense_mm(a, self.dense(), out, accumulate)
+            _dense_mm(a, PANEL_CACHE.get(self, "dense"), out, accumulate)
             return
         w = None
         for i in range(0, m, 16):  # a row's result is the same in every chunk
             if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
-                w = self.dense() if w is None else w
+                w = PANEL_CACHE.get(self, "dense") if w is None else w
                 _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
 
     def _long_mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
