@@ -44,7 +44,7 @@ import workloads as W  # noqa: E402
 from lmq_kernels import cpu  # noqa: E402
 from lmq_kernels.cpu import benches as cpu_benches  # noqa: E402
 from lmq_kernels.cpu.toolchain import FLAGS, HEADERS, SOURCES, build_library, compiler  # noqa: E402
-from lmq_kernels.cpu.calibration import measure  # noqa: E402
+from lmq_kernels.cpu.calibration import measure_pair as measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(576, 1728), (1536, 576), (576, 576), (576, 192), (576, 49152), (576, 960), (576, 3072)]
@@ -69,7 +69,7 @@ def old_gemm(rev: str):
             if (Path(rev) / name).exists():
                 (tmp / name).write_text((Path(rev) / name).read_text())
             continue
-        done = subprocess.run(["git", "show", f"{rev}:lmq_kernels.triton/{name}"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "show", f"{rev}:kernels/cpu/{name}"], cwd=ROOT, capture_output=True, text=True)
         if done.returncode == 0:
             (tmp / name).write_text(done.stdout)
     out = tmp / "gemm.so"
@@ -93,7 +93,7 @@ def old_library(rev: str):
     if Path(rev).is_dir():
         (tmp / "gemm.c").write_text((Path(rev) / "gemm.c").read_text())
     else:
-        (tmp / "gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:lmq_kernels.triton/gemm.c"], cwd=ROOT,
+        (tmp / "gemm.c").write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu/gemm.c"], cwd=ROOT,
                                                        capture_output=True, text=True, check=True).stdout)
     built = build_library(tmp / "out", sources=tmp)
     if built.path is None:

@@ -84,7 +84,8 @@
  * here on: the next chunk's are prefetched when `prefetch`). M and V are constants in each instance. */
 static inline __attribute__((always_inline)) void block(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-        const int M, const int V, long K, long k_left, long n, int accumulate, int prefetch, long kc_rows) {
+        const int M, const int V, long K, long k_left, long n, int accumulate, int prefetch, long kc_rows,
+        int stream) {
     vf a[MR_MAX][NV_MAX];    /* fixed sizes (not M, V: a variable-length array would live on the stack) */
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; m++)
@@ -97,7 +98,13 @@ static inline __attribute__((always_inline)) void block(
         vf wv[NV_MAX];
         _Pragma("GCC unroll 8")
         for (int j = 0; j < V; j++) wv[j] = *(const vf *)(w + k * ldw + n + LMQ_VL * j);
-        if (prefetch && k + kc_rows < k_left) {  /* the same columns a chunk further, into L2 */
+        if (prefetch && stream) {   /* this block's share of the next chunk, in memory order (see `stream`) */
+            if (kc_rows < k_left) {
+                const float *p = w + kc_rows * ldw + n * kc_rows + k * (V * LMQ_VL);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < V * LMQ_VL; j += 16) __builtin_prefetch(p + j, 0, 2);
+            }
+        } else if (prefetch && k + kc_rows < k_left) {  /* the same columns a chunk further, into L2 */
             _Pragma("GCC unroll 8")
             for (int j = 0; j < V; j++) __builtin_prefetch(w + (k + kc_rows) * ldw + n + LMQ_VL * j, 0, 2);
         }
@@ -115,7 +122,7 @@ static inline __attribute__((always_inline)) void block(
 }
 
 #define PASS(R, V) case R: if (R <= mr) block(x + m0 * ldx, ldx, w, ldw, y + m0 * ldy, ldy, R, V, kc, k_left, \
-                                                n, acc, m0 == 0, kc_rows); break;
+                                                n, acc, m0 == 0, kc_rows, stream); break;
 #if MR_MAX > 8 || (MR != 2 && MR != 4 && MR != 6 && MR != 8) || (MR2 != 2 && MR2 != 4 && MR2 != 6 && MR2 != 8)
 #error "LMQ_GEMM_MR and LMQ_GEMM_MR2 must be 2, 4, 6 or 8"
 #endif
@@ -133,7 +140,7 @@ static inline __attribute__((always_inline)) void block(
  * prefetches. mr and V are constants in each instance. */
 static inline __attribute__((always_inline)) void all_rows(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy,
-        int M, const int mr, const int V, long kc, long k_left, long n, int acc, long kc_rows) {
+        int M, const int mr, const int V, long kc, long k_left, long n, int acc, long kc_rows, int stream) {
     for (int m0 = 0; m0 < M; m0 += mr) {
         switch (M - m0 < mr ? M - m0 : mr) { PASSES(V) }
     }
@@ -144,15 +151,15 @@ static inline __attribute__((always_inline)) void all_rows(
  * sequential streams across the columns). */
 static inline __attribute__((always_inline)) void panel(
         const float *x, long ldx, const float *w, long ldw, float *y, long ldy, int M, long K, int accumulate,
-        long n0, long n1, long n2, long kc_rows, const int mr, const int nv) {
+        long n0, long n1, long n2, long kc_rows, const int mr, const int nv, int stream) {
     for (long k0 = 0; k0 < K; k0 += kc_rows) {
         const long kc = K - k0 < kc_rows ? K - k0 : kc_rows, k_left = K - k0;
         const float *wk = w + k0 * ldw, *xk = x + k0;
         const int acc = accumulate || k0 > 0;
         for (long n = n0; n < n1; n += nv * LMQ_VL)
-            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, nv, kc, k_left, n, acc, kc_rows);
+            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, nv, kc, k_left, n, acc, kc_rows, stream);
         for (long n = n1; n < n2; n += LMQ_VL)
-            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, 1, kc, k_left, n, acc, kc_rows);
+            all_rows(xk, ldx, wk, ldw, y, ldy, M, mr, 1, kc, k_left, n, acc, kc_rows, stream);
     }
 }
 
@@ -169,11 +176,20 @@ static inline __attribute__((always_inline)) void columns_of(
     const long kc_rows = contiguous ? 64 : M <= 2 ? 4 : M <= 4 ? (aliased ? 4 : 8) : (aliased ? 8 : 16);
     const long nb = nv * LMQ_VL, cols = (LMQ_GEMM_PANEL_KB * 1024L / (kc_rows * 4)) / nb * nb;
     const long step = cols > nb ? cols : nb;
+    /* a whole panel (its columns [0, ldw), its rows one stream): its next chunk is prefetched in memory order,
+     * each block's pass over the chunk taking its share (a block of columns [n, n + w) the chunk's floats
+     * [n kc_rows, (n + w) kc_rows), w floats an iteration), rather than as the block's own columns a chunk
+     * further (lines 4 apart at 64 columns): the hardware's prefetchers then run ahead of the stream, and the
+     * weights of a chunk of many rows arrive while it computes (rather than after) */
+    if (contiguous && n0 == 0 && n2 == ldw) {      /* (a constant `stream` in each instance of the loops) */
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n0, n1, n2, kc_rows, mr, nv, 1);
+        return;
+    }
     for (long p = n0; p < n1; p += step) {
         const long p1 = n1 - p < step ? n1 : p + step;
-        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows, mr, nv);
+        panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, p, p1, p1 == n1 ? n2 : p1, kc_rows, mr, nv, 0);
     }
-    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows, mr, nv);
+    if (n0 == n1) panel(x, ldx, w, ldw, y, ldy, M, K, accumulate, n1, n1, n2, kc_rows, mr, nv, 0);
 }
 
 /* columns_of in the block for up to FEW_ROWS rows (K-major weights: at every row count), and in the one for

@@ -7,15 +7,17 @@ the weights are stored small:
 
     int8   w = q * scale[n, g]               q int8 [N, K], scale [N, K/32]: g = k / 32
     int4   w = d[n, g] * q + m[n, g]          q in 0..15, 2 a byte [N, K/2] in GGUF's Q4_1 block order
-                                             (lmq_kernels.triton/qgemm.c), d and m [N, K/32]: g = k / 32
+                                             (kernels/cpu/qgemm.c), d and m [N, K/32]: g = k / 32
 
 The int4 form is GGUF's Q4_1, so the default model's shipped weights load as they are
 (`backend/gguf_weights.py`). Up to 64 rows (decode steps, short prefills) multiply in lmq's C kernel
 (`lmq_kernels.cpu.quantized_mm`, 16 rows a call), which de-quantizes in registers, where the machine's
-calibration measured it faster than the alternative; more rows (long prefills) de-quantize the weight once
-into panels and multiply in lmq's float32 GEMM (`_panels_mm`) where calibration chose it; the alternative, or
-no C compiler, de-quantize the weight to float32 for that call (`dense`: lmq's copy kernel, far faster than
-torch's passes) and use torch's GEMM. torch's own weight-only kernels (`_weight_int8pack_mm`,
+calibration measured it faster than the alternative; more rows (long prefills, `_long_mm`) multiply in
+lmq's float32 GEMM over the weight de-quantized into panels where calibration chose it, else (or without a C
+compiler) in torch's GEMM over the weight de-quantized to float32 [N, K] (`dense`: lmq's copy kernel, far
+faster than torch's passes; also where calibration chose torch's GEMM over the quantized kernel). Either
+float32 form is kept for the next call within a byte budget (`PanelCache`: `LMQ_QUANT_PANELS_MB`, 0 turns it
+off). torch's own weight-only kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) measured many times slower than float32 `torch.mm` (benchmarks/bench_quantized.py)
 and are not used. Each output of the C kernel
 depends on its own input row only (one FMA chain in a fixed order), so greedy tokens are the same batched
@@ -23,7 +25,9 @@ or alone, as in float32.
 """
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -80,44 +84,45 @@ class QuantizedLinear(nn.Module):
     def mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
            bias: torch.Tensor | None = None) -> None:
         """The fused step's GEMM: out = a @ W^T (+ bias), or out += a @ W^T; a [M, K], out [M, N]. Up to
-        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows; more
-        (long prefills) in lmq's float32 GEMM over the weight de-quantized into panels (`_panels_mm`); else
-        torch's GEMM on the de-quantized weight."""
+        KERNEL_ROWS rows 16 at a time in lmq's kernel where calibration chose it for the chunk's rows, else
+        torch's GEMM on the de-quantized weight (`PANEL_CACHE`'s dense form); more (long prefills):
+        `_long_mm`."""
         if bias is not None:
             out.copy_(bias.expand_as(out))
             accumulate = True
         m = a.shape[0]
         if m <= 16 and cpu.quantized_mm(a, self.qweight, self.scales, self.zeros, out, accumulate):
             return
-        if m > KERNEL_ROWS and self._panels_mm(a, out, accumulate):
+        if m > KERNEL_ROWS:
+            self._long_mm(a, out, accumulate)
             return
-        if not 16 < m <= KERNEL_ROWS:
-            _dense_mm(a, self.dense(), out, accumulate)
+        if m <= 16:
+            _dense_mm(a, PANEL_CACHE.get(self, "dense"), out, accumulate)
             return
         w = None
         for i in range(0, m, 16):  # a row's result is the same in every chunk
             if not cpu.quantized_mm(a[i:i + 16], self.qweight, self.scales, self.zeros, out[i:i + 16], accumulate):
-                w = self.dense() if w is None else w
+                w = PANEL_CACHE.get(self, "dense") if w is None else w
                 _dense_mm(a[i:i + 16], w, out[i:i + 16], accumulate)
 
-    def _panels_mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool) -> bool:
-        """out (+)= a @ W^T with W de-quantized once into panels (`cpu.dequantize`: a reused buffer, one pass)
-        and lmq's small-M GEMM over them (`cpu.small_m_mm(panels=)`, up to cpu.GEMM_MAX_ROWS rows a call, where
-        calibration chose it for the class), a chunk torch's GEMM on the de-quantized weight where it did not.
-        False (nothing computed) where the panels cannot be made. At a few hundred rows (several chats' new
-        turns) faster than torch's GEMM on the de-quantized weight; up to 64 rows the quantized kernel is faster
-        (the panels' transposing copy costs more than it saves there)."""
+    def _long_mm(self, a: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """out (+)= a @ W^T for a long prefill, up to cpu.GEMM_MAX_ROWS rows at a time: lmq's small-M GEMM over
+        W's panels (`cpu.small_m_mm(panels=)`) where calibration chose it for the class, else torch's GEMM over
+        W as float32 [N, K]. Each form comes from `PANEL_CACHE` (de-quantized at its first use, or at the model's
+        load, and kept within the budget; else de-quantized for this call). At a few hundred rows (several
+        chats' new turns) lmq's GEMM over panels can beat torch's on the de-quantized weight; up to 64 rows the
+        quantized kernel is the faster (`mm`)."""
         n, k = self.shape
-        panels = _panel_buffer(n, k)
-        if panels is None or not cpu.dequantize(self.qweight, self.scales, self.zeros, panels):
-            return False
-        shape_only = panels.view(k, n)   # small_m_mm's K-major operand: not read, the panels pass its checks
         step, w = cpu.GEMM_MAX_ROWS, None
         for i in range(0, a.shape[0], step):
-            if not cpu.small_m_mm(a[i:i + step], shape_only, out[i:i + step], accumulate, panels=panels):
-                w = self.dense() if w is None else w
-                _dense_mm(a[i:i + step], w, out[i:i + step], accumulate)
-        return True
+            rows, o = a[i:i + step], out[i:i + step]
+            if cpu.available() and cpu.choose_gemm(rows.shape[0], k, n, PANEL):
+                panels = PANEL_CACHE.get(self, "panels")
+                # small_m_mm's K-major operand: a view of the panels' memory, not read (they pass its checks)
+                if panels is not None and cpu.small_m_mm(rows, panels.view(k, n), o, accumulate, panels=panels):
+                    continue
+            w = PANEL_CACHE.get(self, "dense") if w is None else w
+            _dense_mm(rows, w, o, accumulate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -174,6 +179,8 @@ class QuantizedLinear(nn.Module):
 
 _panels = threading.local()   # per thread: (n, k) -> a float32 [n / PANEL, k, PANEL] buffer, reused
 PANEL_BUFFER_MAX = 64 << 20   # bytes: a larger weight (an LM head) de-quantizes for torch's GEMM instead
+PANELS_ENV = "LMQ_QUANT_PANELS_MB"
+PANELS_DEFAULT_SHARE = 0.1    # the default budget: this share of the machine's memory (as the float32 panels')
 
 
 def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
@@ -185,6 +192,143 @@ def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
     if (n, k) not in buffers:
         buffers[(n, k)] = torch.empty(n // PANEL, k, PANEL)
     return buffers[(n, k)]
+
+
+def default_panel_budget() -> int:
+    """The panel cache's budget in bytes: `LMQ_QUANT_PANELS_MB` (megabytes; 0 turns the cache off) where it is a
+    number, else PANELS_DEFAULT_SHARE of the machine's memory (0 where that is unknown)."""
+    value = os.environ.get(PANELS_ENV, "").strip()
+    if value:
+        try:
+            return max(0, int(float(value) * (1 << 20)))
+        except ValueError:
+            pass
+    try:
+        return int(PANELS_DEFAULT_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+FORMS = ("panels", "dense")   # the float32 forms of a quantized weight that long prefills multiply with
+WARM_ROWS = 256               # the load keeps the form a prefill of this many rows reads (its GEMM's choice)
+
+
+class PanelCache:
+    """The float32 forms of `QuantizedLinear` weights that long prefills multiply with, kept for the next one:
+    "panels" ([N / PANEL, K, PANEL], lmq's GEMM) or "dense" ([N, K], torch's), each de-quantized by
+    `cpu.dequantize` (torch's passes without lmq's kernels); at most `budget` bytes in all (None:
+    `default_panel_budget()`, read at first use; 0: nothing is kept).
+
+    A prefill multiplies every layer in order, each once: under a least-recently-used policy a budget smaller
+    than all the layers' forms would evict each just before its next use. So the forms made first are kept and,
+    once the budget is spent, the others are de-quantized for each call (panels into a reused buffer) as without
+    a cache. An entry goes with its module, and is made again where the module's quantized tensors were
+    changed or replaced since (a weights load). Thread-safe."""
+
+    def __init__(self, budget: int | None = None):
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[int, str], tuple[tuple, torch.Tensor]] = {}  # (id(module), form) -> (stamp, w)
+        self._watched: set[int] = set()   # ids of the modules whose death drops their entries
+        self.used = 0          # bytes held
+        self.made = 0          # forms de-quantized by `get` (kept or not)
+
+    @property
+    def budget(self) -> int:
+        """The budget in bytes."""
+        if self._budget is None:
+            self._budget = default_panel_budget()
+        return self._budget
+
+    def set_budget(self, budget: int | None) -> None:
+        """A new budget in bytes (None: the default); what was kept is dropped."""
+        with self._lock:
+            self._budget = None if budget is None else max(0, int(budget))
+            self._entries.clear()
+            self.used = 0
+
+    def clear(self) -> None:
+        """Drop everything kept (the budget stays)."""
+        self.set_budget(self._budget)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _stamp(layer: "QuantizedLinear") -> tuple:
+        tensors = (layer.qweight, layer.scales, layer.zeros)
+        return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
+
+    def _current(self, layer: "QuantizedLinear", form: str) -> torch.Tensor | None:
+        entry = self._entries.get((id(layer), form))
+        return entry[1] if entry is not None and entry[0] == self._stamp(layer) else None
+
+    def panels(self, layer: "QuantizedLinear") -> torch.Tensor | None:
+        """`get(layer, "panels")`."""
+        return self.get(layer, "panels")
+
+    def get(self, layer: "QuantizedLinear", form: str) -> torch.Tensor | None:
+        """`layer`'s weight in `form` (FORMS): the kept copy where one is current, else de-quantized now (kept
+        where it fits the budget; else panels go to this thread's reused buffer, valid until its next use).
+        None for panels where n is no multiple of PANEL, or the weight is too large for a buffer and not
+        kept, or lmq's kernels cannot run; a dense form always comes."""
+        n, k = layer.shape
+        if form == "panels" and n % PANEL:
+            return None
+        key, size = (id(layer), form), 4 * n * k
+        with self._lock:
+            current = self._current(layer, form)
+            if current is not None:
+                return current
+            old = self._entries.get(key)
+            keep = self.used - (old[1].numel() * 4 if old is not None else 0) + size <= self.budget
+        if form == "panels":
+            w = torch.empty(n // PANEL, k, PANEL) if keep else _panel_buffer(n, k)
+            if w is None or not cpu.dequantize(layer.qweight, layer.scales, layer.zeros, w):
+                return None
+        else:
+            w = layer.dense()
+        self.made += 1
+        if keep:
+            with self._lock:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self.used -= old[1].numel() * 4
+                if self.used + size <= self.budget:
+                    if id(layer) not in self._watched:
+                        self._watched.add(id(layer))
+                        weakref.finalize(layer, self._drop, id(layer))
+                    self._entries[key] = (self._stamp(layer), w)
+                    self.used += size
+        return w
+
+    def warm(self, layers, rows: int = WARM_ROWS) -> int:
+        """Make and keep, for each of `layers` (QuantizedLinear) in order, the form a prefill of `rows` rows
+        multiplies with (panels where calibration chose lmq's GEMM for the class, else dense) where it has none
+        and it fits what is left of the budget (a model's load: its first long prefill then de-quantizes
+        nothing); returns how many were made. Nothing is de-quantized that would not be kept."""
+        made = 0
+        for layer in layers:
+            n, k = layer.shape
+            lmq = n % PANEL == 0 and cpu.available() and cpu.choose_gemm(rows, k, n, PANEL)
+            form = "panels" if lmq else "dense"
+            with self._lock:
+                if self._current(layer, form) is not None or self.used + 4 * n * k > self.budget:
+                    continue
+            made += self.get(layer, form) is not None
+        return made
+
+    def _drop(self, ident: int) -> None:
+        with self._lock:
+            self._watched.discard(ident)
+            for form in FORMS:
+                entry = self._entries.pop((ident, form), None)
+                if entry is not None:
+                    self.used -= entry[1].numel() * 4
+
+
+# the process's cache of de-quantized weights, which every QuantizedLinear's long prefills use
+PANEL_CACHE = PanelCache()
 
 
 def _dense_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:

@@ -3,12 +3,15 @@ the default model's shipped Q4_1 weights, and the engine's exactness per dtype (
 cache on or off, batched or alone, through the fused step and through the model's own forward)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from lmq_backend.backend.gguf_weights import Q4_1_BLOCK_BYTES
-from lmq_backend.engine.quantize import QuantizedLinear, quantize_model
+from lmq_backend.engine.quantize import PANEL_CACHE, PANELS_ENV, PanelCache, QuantizedLinear, default_panel_budget, \
+    quantize_model
 from lmq_kernels import cpu
 
 from support.models import SCRIPT, build, differences, run_engine, standard_calls
@@ -72,6 +75,89 @@ def test_stacked_modules_compute_side_by_side(kind, kernels):
         parts.append(torch.empty(3, m.out_features))
         m.mm(x, parts[-1])
     assert torch.equal(out, torch.cat(parts, 1))
+
+
+@pytest.fixture
+def panel_budget():
+    """Sets the process's panel cache's budget (bytes) for a test; the default again after it."""
+    yield PANEL_CACHE.set_budget
+    PANEL_CACHE.set_budget(None)
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_panel_cache_keeps_prefill_panels_within_its_budget_with_the_same_results(kind, panel_budget, monkeypatch):
+    """A long prefill's panels (more than KERNEL_ROWS rows: lmq's GEMM over the weight de-quantized into panels)
+    are kept for the next one within the budget, the panels made first; the rest are de-quantized for each
+    call. The results are bit-identical with the cache on or off, kept or not."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
+    assert cpu.available(), cpu.build_error()
+    torch.manual_seed(1)
+    lins = [QuantizedLinear.quantize(torch.randn(n, 576) * 0.05, None, kind) for n in (192, 128, 64)]
+    x = torch.randn(80, 576)
+    panel_budget(0)                                                      # off: nothing kept
+    off = [lin(x) for lin in lins]
+    assert len(PANEL_CACHE) == 0 and PANEL_CACHE.used == 0
+    assert all(torch.allclose(y, x @ lin.dequantize().t(), rtol=1e-5, atol=1e-5) for y, lin in zip(off, lins))
+    budget = 4 * 576 * (192 + 128)                                       # the first two weights' panels
+    panel_budget(budget)
+    made = PANEL_CACHE.made
+    for _ in range(3):
+        assert all(torch.equal(lin(x), y) for lin, y in zip(lins, off))
+        assert len(PANEL_CACHE) == 2 and PANEL_CACHE.used == budget <= PANEL_CACHE.budget
+    assert PANEL_CACHE.made - made == 3 + 2                              # 3 at first, then the third each time
+    lins[0].qweight.view(torch.uint8).bitwise_xor_(1)                     # changed in place: made again
+    changed = lins[0](x)
+    assert not torch.equal(changed, off[0]) and PANEL_CACHE.made - made == 6
+    assert torch.allclose(changed, x @ lins[0].dequantize().t(), rtol=1e-5, atol=1e-5)
+    assert PANEL_CACHE.used == budget
+    del lins[1]                                                          # a module's panels go with it
+    assert len(PANEL_CACHE) == 1 and PANEL_CACHE.used == 4 * 576 * 192
+    assert torch.equal(lins[1](x), off[2])                               # now there is room for the third
+    assert len(PANEL_CACHE) == 2 and PANEL_CACHE.used == 4 * 576 * (192 + 64)
+
+
+@pytest.mark.cpu_kernels
+def test_panel_cache_warm_keeps_what_fits_and_makes_nothing_else(monkeypatch):
+    """A model's load fills the cache (`warm`): the layers' panels in order while they fit, nothing de-quantized
+    for one that does not (it would not be kept), nothing again for those kept."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")                           # lmq's GEMM: the panels
+    assert cpu.available(), cpu.build_error()
+    lins = [QuantizedLinear.quantize(torch.randn(n, 64), None, "int4") for n in (128, 192, 64, 96)]
+    cache = PanelCache(4 * 64 * (128 + 64))
+    assert cache.warm(lins) == 2 and cache.made == 2                     # 128 and 64; 192 too large; 96 no panels
+    assert cache.used == cache.budget and len(cache) == 2
+    assert cache.warm(lins) == 0 and cache.made == 2
+    assert torch.equal(cache.panels(lins[2]), lins[2].dequantize().t().reshape(64, 1, 64).permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torchs_long_prefills_keep_the_dense_weight(kind, panel_budget, monkeypatch):
+    """Where torch's GEMM runs a long prefill (LMQ_CPU_KERNELS=0, as without a C compiler or where calibration
+    chose it), the weight de-quantized to [N, K] is what is kept (and what a load keeps): the second prefill
+    de-quantizes nothing, with the same bits."""
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
+    torch.manual_seed(2)
+    lin = QuantizedLinear.quantize(torch.randn(96, 64) * 0.05, None, kind)
+    x = torch.randn(70, 64)
+    want = x @ lin.dequantize().t()
+    panel_budget(None)
+    made = PANEL_CACHE.made
+    assert torch.equal(lin(x), want) and torch.equal(lin(x), want)
+    assert PANEL_CACHE.made - made == 1 and PANEL_CACHE.used == 4 * 96 * 64
+    cache = PanelCache()
+    assert cache.warm([lin]) == 1 and torch.equal(cache.get(lin, "dense"), lin.dequantize())
+
+
+def test_panel_budget_default_and_env(monkeypatch):
+    """The budget: LMQ_QUANT_PANELS_MB megabytes (0: off), else a tenth of the machine's memory."""
+    monkeypatch.setenv(PANELS_ENV, "0")
+    assert default_panel_budget() == 0 and PanelCache().budget == 0
+    monkeypatch.setenv(PANELS_ENV, "1.5")
+    assert PanelCache().budget == 3 << 19
+    monkeypatch.delenv(PANELS_ENV)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert PanelCache().budget == int(0.1 * memory) > 0
 
 
 def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lmq_backend.engine.quantize import QuantizedLinear, quantize_model
+from lmq_backend.engine.quantize import PANEL_CACHE, QuantizedLinear, quantize_model
 from lmq_kernels import cpu
 from support.kernel_faults import QUANTIZED_FAULT_EDITS, QUANTIZED_FAULTS, faulty_kernels, switch
 from support.models import SCRIPT, build, differences, generate, run_engine, standard_calls
@@ -208,9 +208,12 @@ def test_the_exact_checks_catch_each_fault(faulty, fault):
 
 @pytest.mark.parametrize("fault", ["8-row nibble", "panels nibble"])
 async def test_the_end_to_end_comparison_catches_a_swapped_nibble(zoo, faulty, fault):
+    """(The panel cache off: a prefill's panels are de-quantized by the faulty build, not kept from before.)"""
     with cpu.use(faulty):
         switch(faulty, QUANTIZED_FAULTS[fault])
+        PANEL_CACHE.set_budget(0)
         try:
             assert await engine_differences(zoo, "llama", "int4") != []
         finally:
             switch(faulty, 0)
+            PANEL_CACHE.set_budget(None)

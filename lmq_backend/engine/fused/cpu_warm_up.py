@@ -1,5 +1,5 @@
-"""The CPU kernels' choices for a model, and its weights' panel-major copies, made when it is laid out rather than
-inside its first queries.
+"""The CPU kernels' choices for a model, its weights' panel-major copies and a quantized model's weights
+de-quantized for its long prefills, made when it is laid out rather than inside its first queries.
 
     warm_up(model, rows=WARM_UP_ROWS) -> int    the classes measured now (0: this machine had them all)
 
@@ -18,7 +18,7 @@ import torch
 from lmq_kernels import cpu
 
 from ...paths import cache_dir
-from ..quantize import QuantizedLinear
+from ..quantize import PANEL_CACHE, QuantizedLinear
 from .cpu_step import head_panels_fit, make_panels, panels_fit, plan_for, step_class, weights_kind
 from .decoder import FusedDecoder
 from .weights import decoder_weights
@@ -78,9 +78,10 @@ def _steps(model, shape: "cpu.ModelShape", rows: int) -> None:
 
 
 def warm_up(model, rows: int = WARM_UP_ROWS) -> int:
-    """Make the model's panel-major weight copies, and measure the classes `model`'s CPU steps of up to `rows`
-    rows and its prefills meet, those this machine has not measured (see the module docstring); returns how
-    many. Nothing where lmq's kernels do not run the model; no measuring where they are not calibrated
+    """Make the model's panel-major weight copies, measure the classes `model`'s CPU steps of up to `rows`
+    rows and its prefills meet, those this machine has not measured (see the module docstring), and keep a
+    quantized model's weights de-quantized for its long prefills (`PANEL_CACHE.warm`); returns how many
+    classes were measured. Nothing where lmq's kernels do not run the model; no measuring where they are not calibrated
     (LMQ_CPU_KERNELS=0 or 1)."""
     if cpu.mode() == "0":
         return 0
@@ -90,10 +91,14 @@ def warm_up(model, rows: int = WARM_UP_ROWS) -> int:
         return 0
     with torch.inference_mode():
         make_panels(model)  # (their first use would make them: inside a query's call)
-    if cpu.mode() != "auto":
-        return 0
-    before = set(cpu.choices())
-    with torch.inference_mode(), cpu.warming():
-        cpu.warm_up(shape, rows)
-        _steps(model, shape, rows)
-    return len(set(cpu.choices()) - before)
+    measured = 0
+    if cpu.mode() == "auto":
+        before = set(cpu.choices())
+        with torch.inference_mode(), cpu.warming():
+            cpu.warm_up(shape, rows)
+            _steps(model, shape, rows)
+        measured = len(set(cpu.choices()) - before)
+    with torch.inference_mode():   # (after the choices: a long prefill's GEMM decides the form it reads)
+        PANEL_CACHE.warm(w for lw in decoder_weights(model).layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)
+                         if isinstance(w, QuantizedLinear))
+    return measured

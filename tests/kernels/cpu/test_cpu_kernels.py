@@ -85,11 +85,13 @@ def test_matches_float64_reference(m, k, n, accumulate, kernels):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 1024), (2, 96, 64), (5, 100, 192), (8, 576, 3072), (17, 200, 128)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1024), (2, 96, 64), (3, 600, 320), (5, 100, 192), (6, 130, 192),
+                                   (7, 1536, 64), (8, 576, 3072), (17, 200, 128)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_panel_major_weights_give_the_k_major_bits(m, k, n, accumulate, kernels):
     """The same weights read from their panel-major copy (`cpu_step.panel_major`, what the CPU step and its
-    LM head read): every output bit for bit as from the K-major rows, any row count and thread split."""
+    LM head read): every output bit for bit as from the K-major rows, any row count and thread split (row
+    counts of every pass shape, chunks of 64 weight rows with a short last one: the next chunk's prefetch)."""
     from lmq_kernels.cpu.step import panel_major
 
     w = k_major(n, k, seed=m + k + n)
