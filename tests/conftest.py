@@ -6,6 +6,7 @@ kernels' `interpreter` tests run in this process under Triton's interpreter (tri
 the engine itself never runs Triton on the CPU."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,22 +27,39 @@ pytest_plugins = ["support.skip_policy"]
 os.environ["LMQ_DISK_CACHE"] = "off"
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
+# The fixtures below are built once in a test run (`functools.cache`) and handed to each module that asks.
+
+@functools.cache
+def _tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
-@pytest.fixture(scope="session")
-def vocab(tokenizer):
-    """The default tokenizer's vocabulary index (the constraint tests': constraint_sim.py)."""
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _tokenizer()
+
+
+@functools.cache
+def _vocab():
     from lmq_backend.text.vocab import VocabIndex
 
-    return VocabIndex.for_tokenizer(tokenizer)
+    return VocabIndex.for_tokenizer(_tokenizer())
 
 
-@pytest.fixture(scope="session")
-def tiny_models():
+@pytest.fixture(scope="module")
+def vocab():
+    """The default tokenizer's vocabulary index (the constraint tests': constraint_sim.py)."""
+    return _vocab()
+
+
+@functools.cache
+def _tiny_models():
     return {name: make() for name, make in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return _tiny_models()
 
 
 @pytest.fixture
@@ -55,11 +73,16 @@ def make_backend(tokenizer, tiny_models):
     return make
 
 
-@pytest.fixture(scope="session")
-def default_backend():
+@functools.cache
+def _default_backend():
     from lmq_backend.backend.registry import get_backend
 
     return get_backend("default")
+
+
+@pytest.fixture(scope="module")
+def default_backend():
+    return _default_backend()
 
 
 # context-sensitive models (tests/support/models.py): `zoo.backend(family)`, `zoo.reference(family)`

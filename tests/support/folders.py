@@ -33,8 +33,13 @@ def save_tiny_folder(path: Path, seed: int = 1) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+_SAVED: dict[str, Path] = {}   # the tiny folder, saved once in a test run
+
+
+@pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A saved tiny Llama folder (one for the whole test run: tests must not change it). Seed 1: its greedy choice among
     " positive", " negative", " neutral" changes with the review (seed 0 answers " positive" to all)."""
-    return save_tiny_folder(tmp_path_factory.mktemp("tiny-model"))
+    if "tiny" not in _SAVED:
+        _SAVED["tiny"] = save_tiny_folder(tmp_path_factory.mktemp("tiny-model"))
+    return _SAVED["tiny"]

@@ -141,9 +141,14 @@ class Zoo:
         return backend
 
 
-@pytest.fixture(scope="session")
+_ZOOS: dict[int, Zoo] = {}   # one zoo a tokenizer (the test run has one), built once
+
+
+@pytest.fixture(scope="module")
 def zoo(tokenizer) -> Zoo:
-    return Zoo(tokenizer)
+    if id(tokenizer) not in _ZOOS:
+        _ZOOS[id(tokenizer)] = Zoo(tokenizer)
+    return _ZOOS[id(tokenizer)]
 
 
 # ----------------------------------------------------------------------------------------- the reference
