@@ -79,7 +79,7 @@ class Prefill(LayerOps):
         host, at = self._inputs_host(rows, B, T, slot, end)
         inputs = host.pin_memory().to(dev, non_blocking=True) if self.cuda else host
         ids_d, pos_d, starts_d, _, last_d, end_d, nrows_d = _parts(inputs, at, B, T)
-        starts = (end - np.array([c + len(ids) for ids, c in rows])).tolist()
+        starts = _parts(host, at, B, T)[2].tolist()   # each row's first column
         hq, d = self.Hq, self.D
         if not self.triton:
             m = torch.tensor([len(ids) for ids, _ in rows], dtype=torch.int32)
