@@ -87,7 +87,7 @@ class HFBackend(Backend):
     `HFBackend.from_model` to wrap a model and tokenizer you already hold (quantized or not).
 
     Cache tiers: `host_cache` ("auto": none, see `cache.tiers.TierOptions`; or bytes of pinned host
-    memory on a GPU, plain memory on the CPU); `disk_cache` ("default": `lmq cache ls` shows the folder, $LMQ_DISK_CACHE=off turns it
+    memory on a GPU, all pinned when the backend is made; plain memory on the CPU); `disk_cache` ("default": `lmq cache ls` shows the folder, $LMQ_DISK_CACHE=off turns it
     off; a folder; None for none) within `disk_budget`, shared by every process of the same model."""
 
     def __init__(self, path: str | Path = "default", device: str | None = None, dtype=None,

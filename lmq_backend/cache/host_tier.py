@@ -1,10 +1,11 @@
 """`HostTier`: segments of evicted trie nodes in host memory, under a byte budget, least recently used first out.
 
 On a GPU machine the segments' K/V live in pinned memory (they come down and go back up with asynchronous
-copies: `cache/tiers.py`), each block from torch's pinned allocator, which rounds a block up to a power of
-two bytes: a pinned tier counts each segment at that size, so the memory it holds stays within its budget. On a CPU backend the K/V store is host memory already, so a host tier there only
-adds a second copy of what a larger `cache_budget` would keep in place: `HFBackend` leaves it off on the CPU
-unless `host_cache=` is given (then it works the same, in plain memory).
+copies: `cache/tiers.py`): the tier's `arena` (`host_arena.py`), its whole budget pinned once, whose regions
+`reserve` hands out (making room as `put` does); a segment counts at its region's size. On a CPU backend the K/V
+store is host memory already, so a host tier there only adds a second copy of what a larger `cache_budget` would
+keep in place: `HFBackend` leaves it off on the CPU unless `host_cache=` is given (then it works the same, in
+plain memory, with no arena).
 
 Lookup: segments are indexed by (start, first token), so a sequence whose device match ends at `start`
 finds its candidates with one dict lookup and checks them exactly (`Segment.continues`). The tier knows
@@ -12,24 +13,26 @@ nothing of the trie, the store or the device. Not thread-safe (the backend's eve
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
+import torch
+
+from .host_arena import HostArena, region_bytes
 from .segment import Segment
 
 
-def held_bytes(nbytes: int, pinned: bool) -> int:
-    """The host memory a segment of `nbytes` of K/V holds: a pinned block is a power of two bytes."""
-    return 1 << max(nbytes - 1, 0).bit_length() if pinned else nbytes
-
-
 class HostTier:
-    def __init__(self, budget_bytes: int, pinned: bool = False):
+    def __init__(self, budget_bytes: int, arena: HostArena | None = None):
+        """`arena`: the memory the segments' K/V live in (`reserve`; its size is the budget); None: segments bring
+        their own memory."""
         if budget_bytes < 0:
             raise ValueError("host tier budget must be >= 0")
-        self.budget_bytes = int(budget_bytes)
-        self.pinned = pinned
+        self.arena = arena
+        self.budget_bytes = int(budget_bytes) if arena is None else arena.nbytes
         self.bytes_in_use = 0
         self._lru: OrderedDict[tuple[int, str], Segment] = OrderedDict()   # oldest first
         self._by_head: dict[tuple[int, int], list[Segment]] = {}           # (start, first token) -> segments
@@ -57,6 +60,28 @@ class HostTier:
                 return seg
         return None
 
+    def held_bytes(self, nbytes: int) -> int:
+        """The host memory a segment of `nbytes` of K/V holds (its arena region's size)."""
+        return nbytes if self.arena is None else region_bytes(nbytes)
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype,
+                down: Callable[[Segment], object]) -> torch.Tensor | None:
+        """(With an arena) memory for a segment's K/V of `shape` and `dtype` (None: larger than the budget). Room
+        is made as `put` makes it, the least recently used segments dropped, each handed to `down` (a lower tier)
+        at once; where the free regions are too small, more go. While segments dropped earlier are still held
+        (a disk tier writing them), so that the arena is short of free bytes, the K/V gets pinned memory of its
+        own instead: the budget counts the tier's own segments, so this is at most what is held that way."""
+        size = region_bytes(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+        if size > self.budget_bytes:
+            return None
+        while self.bytes_in_use + size > self.budget_bytes:
+            down(self._drop(next(iter(self._lru))))
+        while (kv := self.arena.tensor(shape, dtype)) is None:
+            if self.arena.nbytes - self.arena.bytes_in_use < size or not self._lru:
+                return torch.empty(shape, dtype=dtype, pin_memory=self.arena.pinned)
+            down(self._drop(next(iter(self._lru))))
+        return kv
+
     def put(self, seg: Segment) -> list[Segment]:
         """Keep `seg` (if it fits the budget at all), dropping the least recently used segments to make room;
         returns the segments that left (`seg` itself when it is larger than the budget), for a lower tier.
@@ -66,7 +91,7 @@ class HostTier:
         if name in self._lru:
             self._lru.move_to_end(name)
             return []
-        held = held_bytes(seg.nbytes, self.pinned)
+        held = self.held_bytes(seg.nbytes)
         if held > self.budget_bytes:
             return [seg]
         for old in [s for s in self._lru.values() if seg.start <= s.start and s.end <= seg.end
@@ -115,7 +140,7 @@ class HostTier:
 
     def check(self) -> None:
         """Assert the bookkeeping (for tests)."""
-        held = sum(held_bytes(s.nbytes, self.pinned) for s in self._lru.values())
+        held = sum(self.held_bytes(s.nbytes) for s in self._lru.values())
         assert self.bytes_in_use == held <= self.budget_bytes
         indexed = [s for segs in self._by_head.values() for s in segs]
         assert len(indexed) == len(self._lru) and all(self._lru[(s.start, s.key)] is s for s in indexed)
@@ -128,5 +153,5 @@ class HostTier:
             self._by_head[head] = rest
         else:
             del self._by_head[head]
-        self.bytes_in_use -= held_bytes(seg.nbytes, self.pinned)
+        self.bytes_in_use -= self.held_bytes(seg.nbytes)
         return seg

@@ -13,16 +13,21 @@ that node again costs nothing); the disk tier keeps what it has until its budget
 The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line marked "cache tiers" where it is):
     PrefixTrie.evict          `on_evict(trie, leaf)` before the leaf's slots are freed       -> `evicted`
     PrefixCache.extend        each node a prefill or a hole stored                          -> `inserted`
-    PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `stage_from` on the loop; `stage`
-                              in a worker thread reads the files that continue the device and host matches
-                              (mapped, checked)
+    PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `prefetch` starts the host
+                              segments that continue the device match going up; `stage_from` on the loop;
+                              `stage` in a worker thread reads the files that continue the device and host
+                              matches (mapped, checked)
     PrefixCache.lookup        after the trie's match                                         -> `load`
     PrefixCache.observe_prefill  the prefill's new tokens and time (`Scheduler`)            -> `observe_prefill`
 
-On a GPU a node going down is gathered on the compute stream and copied into pinned memory on a side stream
-(the compute stream never waits for it; whoever reads the copy waits for its event); a load goes up on the
-compute stream from pinned memory (the host does not wait; the prefill reading it is queued after it), and a
-file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every copy is plain.
+On a GPU a node going down is gathered on the compute stream and copied into a region of the host tier's pinned
+arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event). A
+segment goes up on a load stream as soon as a request that will read it is queued (`prefetch`), into device
+memory of its own; its look-up then copies it into the store's slots on the compute stream, which waits for
+what is left of the copy up (a segment not copied ahead goes up on the compute stream itself). The host does
+not wait for any of it. A copy down waits for the copies up queued before it (the arena region it fills may be
+one they read). A file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every
+copy is plain.
 
 When to load (`worth`): a segment is loaded when moving its bytes at the tier's measured bandwidth takes less
 time than prefilling its tokens at the fastest prefill speed seen so far (new tokens / time from a prefill's
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -44,6 +50,7 @@ import torch
 
 from .disk_tier import DiskTier, model_key
 from .fingerprint import describe_device
+from .host_arena import HostArena
 from .host_tier import HostTier
 from .kv_store import LAYOUT_VERSION, OutOfSlots, KVStore
 from .segment import Segment, prefix_key
@@ -55,6 +62,7 @@ from .trie import PrefixTrie, TrieNode
 # long shared prefixes a tier is for.
 MIN_TOKENS = 64
 MEASURED_PREFILL_MIN = 32  # prefills with fewer new tokens say little about the per-token cost
+UPLOAD_BYTES = 1 << 30     # device memory for copies up ahead of their look-up (at most an eighth of the store's)
 
 
 class CacheTiers:
@@ -63,7 +71,12 @@ class CacheTiers:
         self.store, self.host, self.disk = store, host, disk
         self.min_tokens = min_tokens
         self.cuda = store.device.type == "cuda"
-        self._side: torch.cuda.Stream | None = None
+        self._side: torch.cuda.Stream | None = None    # copies down
+        self._loads: torch.cuda.Stream | None = None   # copies up ahead of their look-up (`prefetch`)
+        self._uploads: OrderedDict[Segment, tuple[torch.Tensor, torch.cuda.Event]] = OrderedDict()
+        self.upload_bytes = 0
+        self.uploaded_ahead = 0  # loads whose copy up began at `prefetch`
+        self.upload_budget = min(UPLOAD_BYTES, store.data.nbytes // 8)
         self._lock = threading.Lock()
         self._reading: dict[Path, threading.Event] = {}
         self._read: "weakref.WeakValueDictionary[Path, Segment]" = weakref.WeakValueDictionary()
@@ -109,7 +122,15 @@ class CacheTiers:
                 return
             if self.host.covering(ids, start) is not None:
                 return
-            seg = self._down(ids, start, node.slots)
+            into = None
+            if self.host.arena is not None:
+                into = self.host.reserve(self._shape(tokens), self.store.dtype, self._to_disk)
+                if into is None:  # (larger than the host tier: the node goes to disk, as without one)
+                    start_key = prefix_key(ids[:start])
+                    if self.disk is not None and self.disk.wants(start_key, prefix_key(ids), node.nbytes):
+                        self.disk.write(self._down(ids, start, node.slots), start_key)
+                    return
+            seg = self._down(ids, start, node.slots, into)
             self.bytes_to_host += seg.nbytes
             for dropped in self.host.put(seg):
                 self._to_disk(dropped)
@@ -134,15 +155,25 @@ class CacheTiers:
         if self.disk is not None:
             self.disk.write(seg, prefix_key(seg.ids[:seg.start]))
 
-    def _down(self, ids: np.ndarray, start: int, slots: np.ndarray) -> Segment:
-        """A copy of the K/V of store `slots` in host memory (pinned on a GPU, copied on a side stream)."""
+    def _shape(self, tokens: int) -> tuple[int, ...]:
+        """The shape of `tokens` tokens' K/V (a segment's `kv`)."""
+        layers, heads, head_dim = self.store.shape
+        return (layers, 2, tokens, heads, head_dim)
+
+    def _down(self, ids: np.ndarray, start: int, slots: np.ndarray, into: torch.Tensor | None = None) -> Segment:
+        """A copy of the K/V of store `slots` in host memory (pinned on a GPU, copied on a side stream), in `into`
+        (a region of the host tier's arena) if given."""
         index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if not self.cuda:
             return Segment.of(ids, start, self.store.data[:, :, index])
         on_device = self.store.data[:, :, index.pin_memory().to(self.store.device, non_blocking=True)]
-        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        host = into if into is not None else torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
         side = self._side_stream()
+        # after the compute stream's work queued so far (the gather), and after every copy up queued so far (a
+        # region of the arena given back may be one they still read)
         side.wait_stream(torch.cuda.current_stream(self.store.device))
+        if self._loads is not None:
+            side.wait_stream(self._loads)
         with torch.cuda.stream(side):
             host.copy_(on_device, non_blocking=True)
             done = torch.cuda.Event()
@@ -321,19 +352,77 @@ class CacheTiers:
             self._measure(tier, k * self.store.bytes_per_token, time.perf_counter() - started)
             return
         stream = torch.cuda.current_stream(self.store.device)
-        if seg.ready is not None:
-            stream.wait_event(seg.ready)
-        timed = tier not in self.bandwidth
-        if timed:
-            torch.cuda.synchronize(self.store.device)
-            started = time.perf_counter()
-        # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
-        # asynchronously), then the part wanted goes into the store
-        up = seg.kv.to(self.store.device, non_blocking=True)
+        uploaded = self._uploads.pop(seg, None)
+        if uploaded is not None:  # (copied up ahead: `prefetch`) the compute stream waits for the rest of the copy
+            up, arrived = uploaded
+            self.upload_bytes -= up.nbytes
+            self.uploaded_ahead += 1
+            stream.wait_event(arrived)
+            up.record_stream(stream)
+            timed = False
+        else:
+            if seg.ready is not None:
+                stream.wait_event(seg.ready)
+            timed = tier not in self.bandwidth
+            if timed:
+                torch.cuda.synchronize(self.store.device)
+                started = time.perf_counter()
+            # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
+            # asynchronously), then the part wanted goes into the store
+            up = seg.kv.to(self.store.device, non_blocking=True)
         data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, offset:offset + k])
         if timed:
             torch.cuda.synchronize(self.store.device)
             self._measure(tier, seg.nbytes, time.perf_counter() - started)
+
+    def prefetch(self, trie: PrefixTrie, ids: list[int], limit: int) -> None:
+        """(On a GPU, with a host tier) Start copying up, on a stream of their own, the host segments that would
+        continue the device match of ids[:limit] (what `load` would load), so that a look-up queued later finds
+        their K/V on the device: its compute stream waits only for what is left of the copy, which runs while the
+        steps queued meanwhile do. At most `upload_budget` bytes wait on the device (the oldest go). Never
+        raises: a copy not made ahead is made by the load."""
+        if not self.cuda or self.host is None or "host" not in self.bandwidth or not len(self.host):
+            return
+        try:
+            node, cached = trie.match(ids, limit)
+            starts = [0, *(n.depth for n in trie.path(node))]
+            if cached >= limit or not any(self.host.starts(s, ids[s]) for s in starts):
+                return
+            ids32 = np.asarray(ids, dtype=np.int32)
+            while cached < limit:
+                seg, _, k = self._in_host(ids, ids32, starts, cached, limit)
+                if seg is None or not self.worth("host", k * self.store.bytes_per_token, k):
+                    return
+                self._upload(seg)
+                cached += k
+                starts.append(cached)
+        except Exception as e:  # noqa: BLE001 - the load copies it instead
+            self._warn(e)
+
+    def _upload(self, seg: Segment) -> None:
+        """Copy `seg`'s K/V up on the load stream, into device memory of its own (`_up` takes it)."""
+        if seg in self._uploads:
+            self._uploads.move_to_end(seg)
+            return
+        if seg.nbytes > self.upload_budget:
+            return
+        while self.upload_bytes + seg.nbytes > self.upload_budget:
+            _, (old, _) = self._uploads.popitem(last=False)  # (its memory is the load stream's: reused in order)
+            self.upload_bytes -= old.nbytes
+        loads = self._load_stream()
+        with torch.cuda.stream(loads):
+            if seg.ready is not None:
+                loads.wait_event(seg.ready)
+            up = seg.kv.to(self.store.device, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(loads)
+        self._uploads[seg] = (up, arrived)
+        self.upload_bytes += up.nbytes
+
+    def _load_stream(self) -> torch.cuda.Stream:
+        if self._loads is None:
+            self._loads = torch.cuda.Stream(self.store.device)
+        return self._loads
 
     # ----- the cost model -----------------------------------------------------------------------------
 
@@ -369,6 +458,8 @@ class CacheTiers:
     def close(self) -> None:
         """Finish the files being written and let the host tier's memory go."""
         self.flush()
+        self._uploads.clear()
+        self.upload_bytes = 0
         if self.host is not None:
             self.host.clear()
 
@@ -400,7 +491,9 @@ def build_tiers(store: KVStore, options: TierOptions) -> CacheTiers | None:
     """The tiers of a store as `options` ask (None: neither a host nor a disk tier)."""
     cuda = store.device.type == "cuda"
     host_bytes = options.host_bytes or 0
-    host = HostTier(host_bytes, pinned=cuda) if host_bytes > 0 else None
+    host = None
+    if host_bytes > 0:
+        host = HostTier(host_bytes, HostArena(host_bytes) if cuda else None)
     disk = None
     if options.folder is not None and options.disk_bytes > 0:
         weights_dtype = options.weights_dtype or str(store.dtype).removeprefix("torch.")

@@ -22,6 +22,7 @@ import torch
 
 import lmq_backend as lmq
 from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
+from lmq_backend.cache.host_arena import ALIGN, HostArena
 from lmq_backend.cache.host_tier import HostTier
 from lmq_backend.cache.segment import Segment, prefix_key
 from lmq_backend.cache.stats import CacheStats, format_table
@@ -72,14 +73,63 @@ def test_host_tier_keeps_its_budget_least_recently_used_first():
     assert host.put(big) == [big] and len(host) == 3  # larger than the budget: straight down
 
 
-def test_a_pinned_host_tier_counts_the_pinned_allocator_blocks():
-    seg = segment(list(range(40)), 0)  # 40 x 512 bytes: a 32 KiB block when pinned
-    assert seg.nbytes == 40 * 512
-    host = HostTier(3 * 32768, pinned=True)
-    for i in range(4):
-        host.put(segment(list(range(100 * i, 100 * i + 40)), 0, seed=i))
+def test_host_arena_hands_out_aligned_regions_first_fit_and_merges_them_back():
+    arena = HostArena(10 * ALIGN, pinned=False)
+    a = arena.tensor((ALIGN // 4,), torch.float32)               # one page
+    b = arena.tensor((3, ALIGN // 2), torch.bfloat16)            # three pages
+    c = arena.tensor((10,), torch.int8)                          # rounded up to a page
+    assert arena.bytes_in_use == 5 * ALIGN and arena.largest_free() == 5 * ALIGN
+    assert [t.data_ptr() - arena.data.data_ptr() for t in (a, b, c)] == [0, ALIGN, 4 * ALIGN]
+    assert arena.tensor((6 * ALIGN,), torch.uint8) is None        # no region that large
+    b.fill_(1.5)
+    assert torch.all(b == 1.5) and torch.all(arena.data[ALIGN:4 * ALIGN].view(torch.bfloat16) == 1.5)
+    del b                                                          # its region is free again, between a and c
+    arena.check()
+    d = arena.tensor((2 * ALIGN,), torch.uint8)                   # first fit: in b's old place
+    assert d.data_ptr() - arena.data.data_ptr() == ALIGN
+    del a, c, d                                                    # all back, merged into one region
+    arena.check()
+    assert arena.bytes_in_use == 0 and arena.largest_free() == 10 * ALIGN
+
+
+def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
+    shape, dtype = tuple(segment(list(range(40)), 0).kv.shape), torch.float32  # 40 x 512 bytes: five pages
+    arena = HostArena(3 * 5 * ALIGN, pinned=False)
+    host = HostTier(0, arena)
+    assert host.budget_bytes == 15 * ALIGN
+    disk: list[Segment] = []  # what went down, held (as a disk tier holds a segment until it is written)
+
+    def keep(i: int, shape=shape, down=disk.append) -> torch.Tensor:
+        kv, n = host.reserve(shape, dtype, down), shape[2]
+        kv.copy_(segment(list(range(100 * i, 100 * i + n)), 0, seed=i).kv)
+        assert host.put(Segment.of(np.arange(100 * i, 100 * i + n), 0, kv)) == []
+        return kv
+
+    in_arena = [keep(i).data_ptr() - arena.data.data_ptr() for i in range(3)]
+    assert in_arena == [0, 5 * ALIGN, 10 * ALIGN] and disk == []
+    keep(3)  # the oldest goes down; its region is still held there: the new one gets memory of its own
+    assert [int(d.ids[0]) for d in disk] == [0]
     host.check()
-    assert len(host) == 3 and host.bytes_in_use == 3 * 32768
+    assert len(host) == 3 and host.bytes_in_use == 15 * ALIGN == arena.bytes_in_use
+    ids = list(range(300, 340))
+    assert torch.equal(host.find(ids, None, 0, 40)[0].kv, segment(ids, 0, seed=3).kv)
+    disk.clear()  # written: the regions are free again, and the next segment takes one
+    kv = keep(4)
+    assert [int(d.ids[0]) for d in disk] == [100] and kv.data_ptr() - arena.data.data_ptr() == 0
+    del kv
+    disk.clear()
+    # a segment that needs two adjacent free regions: the oldest go until there are (dropped for good here)
+    keep(5)
+    disk.clear()  # (held: 300 in memory of its own, 400 at pages 0-5, 500 at 5-10)
+    gone: list[int] = []
+    kv = keep(6, (2, 2, 60, 2, 16), lambda seg: gone.append(int(seg.ids[0])))  # eight pages
+    assert gone == [300, 400, 500] and kv.data_ptr() - arena.data.data_ptr() == 0
+    del kv
+    host.check()
+    arena.check()
+    assert host.reserve((2 * 15 * ALIGN // 4,), dtype, disk.append) is None  # larger than the budget
+    host.clear()
+    assert arena.bytes_in_use == 0 and arena.largest_free() == 15 * ALIGN
 
 
 def test_host_tier_finds_the_longest_exact_continuation():
@@ -487,3 +537,20 @@ async def test_exact_through_pinned_host_memory_on_a_gpu(tokenizer, tmp_path):
                                      name="tiny")
     assert await run(again) == ref
     assert again.stats().disk_hits > 0
+
+
+@pytest.mark.gpu
+async def test_exact_with_segments_copied_up_ahead_on_a_gpu(tokenizer):
+    """A queued request's host segments go up on the load stream before its look-up (`prefetch`); the look-up
+    takes them from there, from the arena's pinned regions, with the answers unchanged."""
+    model = tiny_llama().cuda()
+    reference = await run(lmq.HFBackend.from_model(model, tokenizer, cache_budget=0, name="tiny"))
+    b = lmq.HFBackend.from_model(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB", name="tiny")
+    tiers = b.tiers
+    assert tiers.host.arena is not None and tiers.host.arena.pinned
+    tiers.bandwidth["host"] = 1e10  # (the tiny model's segments are too small to measure it: copying is worth it)
+    assert await run(b) == reference
+    assert tiers.uploaded_ahead > 0 and b.stats().host_hits >= tiers.uploaded_ahead
+    assert tiers.host.arena.bytes_in_use >= tiers.host.bytes_in_use > 0
+    tiers.host.arena.check()
+    b.close()
