@@ -116,9 +116,7 @@ class CacheTiers:
             ids = np.asarray(trie.path_ids(node), dtype=np.int32)
             start = len(ids) - tokens
             if self.host is None:
-                start_key = prefix_key(ids[:start])
-                if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
-                    self.disk.write(self._down(ids, start, node.slots), start_key)
+                self._write_through(ids, start, node)
                 return
             if self.host.covering(ids, start) is not None:
                 return
@@ -126,9 +124,7 @@ class CacheTiers:
             if self.host.arena is not None:
                 into = self.host.reserve(self._shape(tokens), self.store.dtype, self._to_disk)
                 if into is None:  # (larger than the host tier: the node goes to disk, as without one)
-                    start_key = prefix_key(ids[:start])
-                    if self.disk is not None and self.disk.wants(start_key, prefix_key(ids), node.nbytes):
-                        self.disk.write(self._down(ids, start, node.slots), start_key)
+                    self._write_through(ids, start, node)
                     return
             seg = self._down(ids, start, node.slots, into)
             self.bytes_to_host += seg.nbytes
@@ -143,12 +139,15 @@ class CacheTiers:
             return
         try:
             ids = np.asarray(trie.path_ids(node), dtype=np.int32)
-            start = len(ids) - len(node.ids)
-            start_key = prefix_key(ids[:start])
-            if self.disk.wants(start_key, prefix_key(ids), node.nbytes):
-                self.disk.write(self._down(ids, start, node.slots), start_key)
+            self._write_through(ids, len(ids) - len(node.ids), node)
         except Exception as e:  # noqa: BLE001 - a cache file not written is no error
             self._warn(e)
+
+    def _write_through(self, ids: np.ndarray, start: int, node: TrieNode) -> None:
+        """`node` (tokens [start, len(ids)) of `ids`) to disk, unless the disk tier has it or will not take it."""
+        start_key = prefix_key(ids[:start])
+        if self.disk is not None and self.disk.wants(start_key, prefix_key(ids), node.nbytes):
+            self.disk.write(self._down(ids, start, node.slots), start_key)
 
     def _to_disk(self, seg: Segment) -> None:
         """A segment the host tier let go (one of `min_tokens` or more, as every segment it holds) to disk."""
