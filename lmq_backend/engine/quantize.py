@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -196,13 +197,18 @@ def _panel_buffer(n: int, k: int) -> torch.Tensor | None:
 
 def default_panel_budget() -> int:
     """The panel cache's budget in bytes: `LMQ_QUANT_PANELS_MB` (megabytes; 0 turns the cache off) where it is a
-    number, else PANELS_DEFAULT_SHARE of the machine's memory (0 where that is unknown)."""
+    number, else PANELS_DEFAULT_SHARE of the machine's memory (0 where that is unknown). A value that is not a
+    non-negative number is ignored with a warning."""
     value = os.environ.get(PANELS_ENV, "").strip()
     if value:
         try:
-            return max(0, int(float(value) * (1 << 20)))
+            megabytes = float(value)
         except ValueError:
-            pass
+            megabytes = -1.0
+        if megabytes >= 0:  # (False for NaN too)
+            return int(megabytes * (1 << 20))
+        warnings.warn(f"lmq: {PANELS_ENV}={value!r} is not a number of megabytes >= 0; the panel cache takes "
+                      f"{PANELS_DEFAULT_SHARE:.0%} of the machine's memory", RuntimeWarning, stacklevel=2)
     try:
         return int(PANELS_DEFAULT_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):

@@ -158,6 +158,10 @@ def test_panel_budget_default_and_env(monkeypatch):
     monkeypatch.delenv(PANELS_ENV)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert PanelCache().budget == int(0.1 * memory) > 0
+    for bad in ("lots", "-5", "nan"):  # not a size: the default, with a warning naming the variable
+        monkeypatch.setenv(PANELS_ENV, bad)
+        with pytest.warns(RuntimeWarning, match=PANELS_ENV):
+            assert default_panel_budget() == int(0.1 * memory)
 
 
 def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
