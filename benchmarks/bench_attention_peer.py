@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/lmq_flashinfer")
@@ -52,6 +54,9 @@ import triton  # noqa: E402
 
 from lmq_kernels.triton import decode_attention, decode_attention_reference  # noqa: E402
 from lmq_kernels.triton.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import copy_bandwidth  # noqa: E402
 
 MODELS = {"1b": ("Llama-3.2-1B", 32, 8, 64), "135m": ("SmolLM2-135M", 9, 3, 64)}
 TOL = dict(atol=2e-2, rtol=2e-2)
@@ -147,15 +152,6 @@ def time_us(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e6
-
-
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (None on a CPU)."""
-    if device.type != "cuda":
-        return None
-    src, dst = (torch.empty(1 << 29, dtype=torch.bfloat16, device=device) for _ in range(2))
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def _why(exc: Exception) -> str:

@@ -59,7 +59,9 @@ def _import_engine():
 
 compat, fused = _import_engine()
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from support.caches import paged_view  # noqa: E402
+from workloads import copy_bandwidth  # noqa: E402
 FusedDecoder = fused.FusedDecoder
 
 SHAPES = {
@@ -88,14 +90,6 @@ def build(shape: str):
 
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (the median of 20)."""
-    src, dst = (torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    dst.copy_(src)
-    ms = cuda_ms(lambda: dst.copy_(src), 20)
-    return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def cuda_ms(fn, iters: int, reps: int = 5, sync_each: bool = False) -> float:

@@ -10,6 +10,7 @@ import copy
 import os
 import platform
 import random
+import statistics
 from pathlib import Path
 
 SUBJECTS = ["The pasta", "Our waiter", "The hotel room", "The concert", "This phone", "The delivery",
@@ -213,3 +214,24 @@ def until_calibrated(run, quiet: int = 2, most: int = 12) -> int:
         if still >= quiet:
             return calls
     return most
+
+
+def copy_bandwidth(device="cuda") -> float | None:
+    """Bytes read + written per second by a 1 GiB device-to-device copy on `device` (the median of 20 copies): the
+    memory floor the GPU benchmarks divide by, measured in the same run. None on a CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    src, dst = (torch.empty(1 << 29, dtype=torch.bfloat16, device=device) for _ in range(2))
+    dst.copy_(src)
+    times = []
+    for _ in range(20):
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        dst.copy_(src)
+        ended.record()
+        ended.synchronize()
+        times.append(started.elapsed_time(ended))
+    return 2 * (1 << 30) / (statistics.median(times) * 1e-3)
