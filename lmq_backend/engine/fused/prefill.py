@@ -57,6 +57,8 @@ class Prefill(LayerOps):
     paged_attention = True
     use_graphs = False   # small prefills replay CUDA graphs (a GPU `FusedDecoder`'s choice)
     _graph_pool = None
+    # (bucket of rows, of tokens, parts of the attention's columns) -> (graph, its logits); None until the first
+    _prefill_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = None
 
     @torch.inference_mode()
     def prefill(self, rows: list[tuple[list[int], int]], slot: int, end: int) -> torch.Tensor:
@@ -160,10 +162,9 @@ class Prefill(LayerOps):
         bb = bucket_for(len(rows), GRAPH_ROWS)
         tb = max(GRAPH_MIN_TOKENS, bucket_for(max(len(ids) for ids, _ in rows), GRAPH_TOKENS))
         splits = splits_for(bb, tb, self.Hq, self.H_kv, self.D, self.dtype, end, sm_count(self.device))
-        if not hasattr(self, "_prefill_graphs"):
-            n = GRAPH_ROWS * GRAPH_TOKENS
-            size = 2 * n + 2 * GRAPH_ROWS + 12
-            self._prefill_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self._prefill_graphs is None:  # (the first captured prefill: the graphs' static inputs)
+            size = 2 * GRAPH_ROWS * GRAPH_TOKENS + 2 * GRAPH_ROWS + 12
+            self._prefill_graphs = {}
             self._prefill_in = torch.zeros(size, dtype=torch.int32, device=self.device)
             self._prefill_host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
             self._prefill_sent = torch.cuda.Event()   # the last copy out of _prefill_host is done
@@ -205,7 +206,7 @@ class Prefill(LayerOps):
     @property
     def prefill_buckets(self) -> set[tuple[int, int]]:
         """The (rows, new tokens) buckets whose prefill graphs are captured."""
-        return {key[:2] for key in getattr(self, "_prefill_graphs", ())}
+        return {key[:2] for key in self._prefill_graphs or ()}
 
     def graph_pool(self):
         """The memory pool this decoder's CUDA graphs share (replayed one at a time, in one stream)."""
