@@ -8,6 +8,11 @@ comes back. When the replica's process is lost (`RayActorError`), the router for
 started (at most `max_respawns` in the cluster's life) and the call runs again on another replica: calls
 are never lost, and a call that ran again gives the same result where it is deterministic (greedy, or
 seeded sampling).
+
+A disk tier the replicas share (one folder on one machine, or on a filesystem every node mounts: the backends'
+`disk_cache`) outlives a replica: the long prefixes a lost replica computed are on disk, so its replacement
+takes over its routes (the router's tree of it) and loads those prefixes from disk at their first call, where
+the other replicas would each prefill them again.
 """
 from __future__ import annotations
 
@@ -32,12 +37,14 @@ def _ray():
 
 class Cluster(ClusterClient):
     """`replicas` Ray actors, each holding a backend made from `model` ("default", "hf:<dir>", a folder, or
-    a zero-argument factory) with `backend_options` (device, dtype, cache_budget, kv_budget, max_batch).
-    Each replica takes `num_cpus` CPUs and `num_gpus` GPUs (default: 1 where the cluster has GPUs, else 0)."""
+    a zero-argument factory) with `backend_options` (device, dtype, cache_budget, kv_budget, max_batch,
+    disk_cache, ...). Each replica takes `num_cpus` CPUs and `num_gpus` GPUs (default: 1 where the cluster has
+    GPUs, else 0). `shared_disk`: whether the replicas' disk tier is one folder they all read (see the module's
+    docstring); None: as `wait_ready` finds them, every replica on one Ray node with one disk folder."""
 
     def __init__(self, model: Spec = "default", replicas: int = 2, *, num_cpus: float = 1,
                  num_gpus: float | None = None, router: RouterConfig | None = None,
-                 max_respawns: int | None = None, **backend_options: Any):
+                 max_respawns: int | None = None, shared_disk: bool | None = None, **backend_options: Any):
         super().__init__()
         ray = _ray()
         if not ray.is_initialized():
@@ -54,15 +61,25 @@ class Cluster(ClusterClient):
         self._ids = itertools.count()
         self.respawns_left = replicas if max_respawns is None else max_respawns
         self.lost: list[str] = []  # why each lost replica was lost
+        self.shared_disk = shared_disk
+        self.infos: dict[int, dict] = {}  # replica id -> what its `ready` said (`wait_ready`)
         self.retries = 0           # calls (or chunks) run again after their replica was lost
         for _ in range(replicas):
             self._start_replica()
 
-    def _start_replica(self) -> int:
+    def _start_replica(self, tree=None) -> int:
         rid = next(self._ids)
         self.handles[rid] = self._actor.remote(self.model, self.backend_options)
-        self.router.add(rid)
+        self.router.add(rid, tree)
         return rid
+
+    @property
+    def disk_shared(self) -> bool:
+        """Do the replicas share a disk tier (`shared_disk`, else what `wait_ready` found)?"""
+        if self.shared_disk is not None:
+            return self.shared_disk
+        places = {(info.get("node"), info.get("disk")) for info in self.infos.values()}
+        return len(places) == 1 and None not in next(iter(places))
 
     def _lose(self, rid: int, error: Exception) -> None:
         if rid not in self.handles:
@@ -72,11 +89,13 @@ class Cluster(ClusterClient):
             _ray().kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.router.remove(rid)
+        shared = self.disk_shared
+        tree = self.router.remove(rid)
+        self.infos.pop(rid, None)
         self.lost.append(f"replica {rid}: {type(error).__name__}: {error}")
         if self.respawns_left > 0:
             self.respawns_left -= 1
-            self._start_replica()
+            self._start_replica(tree if shared else None)  # (its prefixes are on the disk it will read)
 
     def wait_ready(self, timeout: float | None = None) -> dict[int, dict]:
         """Block until every replica has built its backend; {replica id: {"pid", "backend"}}. A replica that
@@ -86,7 +105,8 @@ class Cluster(ClusterClient):
             infos = ray.get([h.ready.remote() for h in self.handles.values()], timeout=timeout)
         except ray.exceptions.RayActorError as e:
             raise LMQBackendError(f"a replica of {self.name!r} could not start: {e}") from e
-        return dict(zip(self.handles, infos))
+        self.infos = dict(zip(self.handles, infos))
+        return dict(self.infos)
 
     # ----- dispatch -----------------------------------------------------------------------------------
 

@@ -49,7 +49,13 @@ class Replica:
         self.queries: dict[str, Any] = {}
 
     async def ready(self) -> dict:
-        return {"pid": os.getpid(), "backend": getattr(self.backend, "name", type(self.backend).__name__)}
+        """Who serves here: the process, the backend, the Ray node, and the disk tier's folder (None: none)."""
+        import ray
+
+        disk = getattr(getattr(self.backend, "tiers", None), "disk", None)
+        return {"pid": os.getpid(), "backend": getattr(self.backend, "name", type(self.backend).__name__),
+                "node": ray.get_runtime_context().get_node_id(),
+                "disk": None if disk is None else str(disk.folder.resolve())}
 
     async def _query(self, key: str, box: list):
         query = self.queries.get(key)

@@ -6,7 +6,9 @@ Each replica has an `ApproxPrefixTree` of the prompt text routed to it. A call g
 2. else the replica whose tree matches the most of the call's text, when that match covers more than
    `cache_threshold` of the text (ties: the less loaded one);
 3. else the replica with the smallest tree (the most room for a new prefix; ties: the less loaded one).
-The text is then inserted into the chosen replica's tree, so that calls that follow go where it went.
+The text is then inserted into the chosen replica's tree, so that calls that follow go where it went. A replica
+started in place of a lost one may take over the lost one's tree (`add`): where the replicas share a disk tier,
+the lost replica's prefixes are on disk, and its calls keep going to one replica, which warms them from there.
 Pure Python; the cluster (`cluster.py`) calls `choose` (which counts the call as started there) before a
 dispatch and `finished` after it.
 """
@@ -41,14 +43,16 @@ class Router:
     loads: dict[int, int] = field(default_factory=dict)
     counts: RouteCounts = field(default_factory=RouteCounts)
 
-    def add(self, replica: int) -> None:
-        self.trees[replica] = ApproxPrefixTree(self.config.max_tree_chars)
+    def add(self, replica: int, tree: ApproxPrefixTree | None = None) -> None:
+        """A replica to route to, with the text routed to it so far (`tree`: a lost replica's, whose prefixes the
+        new one finds on a disk tier they share; None: none)."""
+        self.trees[replica] = tree if tree is not None else ApproxPrefixTree(self.config.max_tree_chars)
         self.loads[replica] = 0
 
-    def remove(self, replica: int) -> None:
-        """A replica is gone: forget its tree (its cache went with it)."""
-        self.trees.pop(replica, None)
+    def remove(self, replica: int) -> ApproxPrefixTree | None:
+        """A replica is gone: its tree is forgotten (its device cache went with it), and returned."""
         self.loads.pop(replica, None)
+        return self.trees.pop(replica, None)
 
     @property
     def replicas(self) -> list[int]:

@@ -1,7 +1,8 @@
 """lmq on a real local Ray cluster (in-process `ray.init`): 2 replicas of a tiny random-weight model saved to a
 folder, against one in-process backend on the same folder (greedy, float32). Results are identical, calls of
 one few-shot prefix land on one replica, batch jobs keep input order, a bad input fails alone, a served
-endpoint answers another process, and killing a replica mid-run loses no call."""
+endpoint answers another process, killing a replica mid-run loses no call, and a replacement takes over a lost
+replica's prefixes from the disk tier they share."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -228,3 +230,33 @@ async def test_killing_a_replica_mid_run_loses_nothing(cluster, reference):
     assert len(after) == 2 and pids[victim] not in {info["pid"] for info in after.values()}
     again = await cluster.map(SUMMARY, inputs[:4])
     assert [answer(r) for r in again] == want[:4]
+
+
+async def test_a_replacement_warms_a_lost_replicas_prefixes_from_the_shared_disk(local_ray, folder, reference,
+                                                                                  tmp_path):
+    """Replicas sharing a disk tier folder: a lost replica's replacement takes over its routes and loads their
+    prefixes from the files its predecessor wrote, instead of prefilling them; the results are unchanged."""
+    disk = tmp_path / "kv"
+    c = Cluster(f"hf:{folder}", replicas=2, max_respawns=1, disk_cache=str(disk), **OPTIONS)
+    try:
+        infos = c.wait_ready()
+        assert c.disk_shared and {info["disk"] for info in infos.values()} == {str(disk.resolve())}
+        inputs = calls(8, tasks=2)
+        want = [answer(r) for r in (await reference(CLASSIFY, inputs))[0]]
+        got = await c.map(CLASSIFY, inputs[:4])
+        deadline = time.monotonic() + 60
+        while len(list(disk.glob("*/*/*.kv"))) < 2 and time.monotonic() < deadline:  # (each task's prompt)
+            await asyncio.sleep(0.1)
+        text = shots(0) + "Review: "
+        (owner,) = [r for r, tree in c.router.trees.items() if tree.match(text) == len(text)]
+        routes = c.router.trees[owner]
+        ray.kill(c.handles[owner])
+        got += await c.map(CLASSIFY, inputs[4:])
+        assert [answer(r) for r in got] == want
+        assert c.retries >= 1 and owner not in c.handles
+        (new,) = [r for r in c.handles if r not in infos]
+        assert c.router.trees[new] is routes  # the lost replica's calls go to its replacement ...
+        stats = await c.areplica_stats()
+        assert stats[new].disk_hits >= 1 and stats[new].tokens_from_disk > 0  # ... which read their prefix from disk
+    finally:
+        c.shutdown()

@@ -76,6 +76,23 @@ def test_router_sends_to_the_least_loaded_when_loads_are_uneven():
     assert router.choose("same prompt text") == 1
 
 
+def test_a_replacement_can_take_over_a_lost_replicas_routes():
+    """Where replicas share a disk tier the cluster hands a lost replica's tree to its replacement: the calls
+    that went to the lost one go to the new one."""
+    router = Router()
+    for r in (0, 1):
+        router.add(r)
+    texts = [f"few-shot prompt {i} " * 20 for i in range(6)]
+    where = {t: router.choose(t) for t in texts}
+    lost = where[texts[0]]
+    tree = router.remove(lost)
+    assert tree is not None and lost not in router.trees
+    router.add(2, tree)
+    assert all(router.choose(t) == (2 if r == lost else r) for t, r in where.items())
+    router.add(3)  # (a new replica without one starts empty)
+    assert router.trees[3].size == 0
+
+
 CLASSIFY = lmq.compile('''argmax
     "{shots}Review: {review}\\nSentiment:[CLS]"
     "{tail}"
