@@ -40,7 +40,11 @@ class HostArena:
         if nbytes <= 0:
             raise ValueError(f"a host arena needs at least {ALIGN} bytes")
         self.nbytes, self.pinned = nbytes, pinned
-        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        try:
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        except RuntimeError as e:  # (the driver could not lock that much memory)
+            raise MemoryError(f"could not {'pin' if pinned else 'allocate'} {nbytes:,} bytes of host memory for "
+                              f"the host cache tier ({e}); give host_cache= a smaller size") from e
         self.bytes_in_use = 0
         self._starts: list[int] = [0]        # the free regions' offsets, sorted
         self._sizes: dict[int, int] = {0: nbytes}

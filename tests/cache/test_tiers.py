@@ -90,6 +90,8 @@ def test_host_arena_hands_out_aligned_regions_first_fit_and_merges_them_back():
     del a, c, d                                                    # all back, merged into one region
     arena.check()
     assert arena.bytes_in_use == 0 and arena.largest_free() == 10 * ALIGN
+    with pytest.raises(MemoryError, match="host_cache"):               # more than the machine has: said so
+        HostArena(1 << 60, pinned=False)
 
 
 def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
