@@ -22,7 +22,7 @@ import torch
 
 import lmq_backend as lmq
 from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
-from lmq_backend.cache.host_arena import ALIGN, HostArena
+from lmq_backend.cache.host_arena import ALIGN, CHUNK_MIN, HostArena, chunk_sizes
 from lmq_backend.cache.host_tier import HostTier
 from lmq_backend.cache.segment import Segment, prefix_key
 from lmq_backend.cache.stats import CacheStats, format_table
@@ -79,19 +79,42 @@ def test_host_arena_hands_out_aligned_regions_first_fit_and_merges_them_back():
     b = arena.tensor((3, ALIGN // 2), torch.bfloat16)            # three pages
     c = arena.tensor((10,), torch.int8)                          # rounded up to a page
     assert arena.bytes_in_use == 5 * ALIGN and arena.largest_free() == 5 * ALIGN
-    assert [t.data_ptr() - arena.data.data_ptr() for t in (a, b, c)] == [0, ALIGN, 4 * ALIGN]
+    assert [arena.offset(t) for t in (a, b, c)] == [0, ALIGN, 4 * ALIGN]
     assert arena.tensor((6 * ALIGN,), torch.uint8) is None        # no region that large
     b.fill_(1.5)
-    assert torch.all(b == 1.5) and torch.all(arena.data[ALIGN:4 * ALIGN].view(torch.bfloat16) == 1.5)
+    assert torch.all(b == 1.5) and torch.all(arena.chunks[0][ALIGN:4 * ALIGN].view(torch.bfloat16) == 1.5)
     del b                                                          # its region is free again, between a and c
     arena.check()
     d = arena.tensor((2 * ALIGN,), torch.uint8)                   # first fit: in b's old place
-    assert d.data_ptr() - arena.data.data_ptr() == ALIGN
+    assert arena.offset(d) == ALIGN
     del a, c, d                                                    # all back, merged into one region
     arena.check()
     assert arena.bytes_in_use == 0 and arena.largest_free() == 10 * ALIGN
     with pytest.raises(MemoryError, match="host_cache"):               # more than the machine has: said so
         HostArena(1 << 60, pinned=False)
+
+
+def test_a_host_arena_is_power_of_two_blocks_that_regions_never_span():
+    """torch's pinned allocator rounds a block up to a power of two: the budget is cut into its power-of-two
+    parts (from CHUNK_MIN), so nothing is pinned beyond it; a region lies inside one block."""
+    assert chunk_sizes(6 << 30) == [4 << 30, 2 << 30]
+    assert chunk_sizes(CHUNK_MIN * 5 + 12345) == [CHUNK_MIN * 4, CHUNK_MIN]  # (the rest below CHUNK_MIN: unused)
+    assert chunk_sizes(CHUNK_MIN - 1) == [CHUNK_MIN - ALIGN] and chunk_sizes(ALIGN - 1) == []
+    arena = HostArena(3 * CHUNK_MIN, pinned=False)
+    assert [c.numel() for c in arena.chunks] == [2 * CHUNK_MIN, CHUNK_MIN] and arena.nbytes == 3 * CHUNK_MIN
+    a = arena.tensor((2 * CHUNK_MIN - ALIGN,), torch.uint8)
+    b = arena.tensor((2 * ALIGN,), torch.uint8)   # does not fit what is left of the first block: the second
+    assert arena.offset(a) == 0 and arena.offset(b) == 2 * CHUNK_MIN + ALIGN
+    assert b.data_ptr() == arena.chunks[1].data_ptr()
+    c = arena.tensor((ALIGN,), torch.uint8)       # first fit: the first block's last page
+    assert arena.offset(c) == 2 * CHUNK_MIN - ALIGN
+    del a, c
+    arena.check()
+    assert arena.largest_free() == 2 * CHUNK_MIN  # merged within the first block, not with the second
+    assert arena.tensor((2 * CHUNK_MIN + ALIGN,), torch.uint8) is None
+    del b
+    arena.check()
+    assert arena.bytes_in_use == 0
 
 
 def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
@@ -107,7 +130,7 @@ def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
         assert host.put(Segment.of(np.arange(100 * i, 100 * i + n), 0, kv)) == []
         return kv
 
-    in_arena = [keep(i).data_ptr() - arena.data.data_ptr() for i in range(3)]
+    in_arena = [arena.offset(keep(i)) for i in range(3)]
     assert in_arena == [0, 5 * ALIGN, 10 * ALIGN] and disk == []
     keep(3)  # the oldest goes down; its region is still held there: the new one gets memory of its own
     assert [int(d.ids[0]) for d in disk] == [0]
@@ -117,7 +140,7 @@ def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
     assert torch.equal(host.find(ids, None, 0, 40)[0].kv, segment(ids, 0, seed=3).kv)
     disk.clear()  # written: the regions are free again, and the next segment takes one
     kv = keep(4)
-    assert [int(d.ids[0]) for d in disk] == [100] and kv.data_ptr() - arena.data.data_ptr() == 0
+    assert [int(d.ids[0]) for d in disk] == [100] and arena.offset(kv) == 0
     del kv
     disk.clear()
     # a segment that needs two adjacent free regions: the oldest go until there are (dropped for good here)
@@ -125,7 +148,7 @@ def test_a_host_tier_with_an_arena_makes_room_by_dropping_the_oldest_segments():
     disk.clear()  # (held: 300 in memory of its own, 400 at pages 0-5, 500 at 5-10)
     gone: list[int] = []
     kv = keep(6, (2, 2, 60, 2, 16), lambda seg: gone.append(int(seg.ids[0])))  # eight pages
-    assert gone == [300, 400, 500] and kv.data_ptr() - arena.data.data_ptr() == 0
+    assert gone == [300, 400, 500] and arena.offset(kv) == 0
     del kv
     host.check()
     arena.check()
