@@ -455,12 +455,15 @@ class CacheTiers:
             self.disk.flush()
 
     def close(self) -> None:
-        """Finish the files being written and let the host tier's memory go."""
+        """Finish the files being written and let the host tier's memory go (an arena's pinned blocks go back
+        to torch's pinned allocator, which keeps them for the process's next use); the tiers hold nothing
+        after."""
         self.flush()
         self._uploads.clear()
         self.upload_bytes = 0
         if self.host is not None:
             self.host.clear()
+            self.host = None
 
     def _warn(self, error: Exception) -> None:
         """One warning per backend: a tier that fails keeps failing the same way."""
