@@ -123,11 +123,8 @@ class PrefixCache:
 
     async def stage(self, ids: list[int], limit: int) -> list[Segment]:
         """The disk tier's segments that may continue the match of ids[:limit] (read in a worker thread, the
-        event loop free meanwhile), for `lookup` to load; [] without a disk tier or where no file is worth it.
-        The host tier's segments that may continue it start going up to the device now (`CacheTiers.prefetch`)."""
+        event loop free meanwhile), for `lookup` to load; [] without a disk tier or where no file is worth it."""
         tiers = self.tiers
-        if tiers is not None:
-            tiers.prefetch(self.trie, ids, limit)
         at = None if tiers is None else tiers.stage_from(self.trie, ids, limit)
         if at is None:
             return []

@@ -13,21 +13,17 @@ that node again costs nothing); the disk tier keeps what it has until its budget
 The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line marked "cache tiers" where it is):
     PrefixTrie.evict          `on_evict(trie, leaf)` before the leaf's slots are freed       -> `evicted`
     PrefixCache.extend        each node a prefill or a hole stored                          -> `inserted`
-    PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `prefetch` starts the host
-                              segments that continue the device match going up; `stage_from` on the loop;
-                              `stage` in a worker thread reads the files that continue the device and host
-                              matches (mapped, checked)
+    PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `stage_from` on the loop; `stage`
+                              in a worker thread reads the files that continue the device and host matches
+                              (mapped, checked)
     PrefixCache.lookup        after the trie's match                                         -> `load`
     PrefixCache.observe_prefill  the prefill's new tokens and time (`Scheduler`)            -> `observe_prefill`
 
 On a GPU a node going down is gathered on the compute stream and copied into a region of the host tier's pinned
-arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event). A
-segment goes up on a load stream as soon as a request that will read it is queued (`prefetch`), into device
-memory of its own; its look-up then copies it into the store's slots on the compute stream, which waits for
-what is left of the copy up (a segment not copied ahead goes up on the compute stream itself). The host does
-not wait for any of it. A copy down waits for the copies up queued before it (the arena region it fills may be
-one they read). A file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every
-copy is plain.
+arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event); a
+load goes up on the compute stream (the host does not wait; the prefill reading it is queued after it), so a
+copy down, queued after the compute stream's work, never overwrites an arena region a copy up still reads. A
+file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every copy is plain.
 
 When to load (`worth`): a segment is loaded when moving its bytes at the tier's measured bandwidth takes less
 time than prefilling its tokens at the fastest prefill speed seen so far (new tokens / time from a prefill's
@@ -38,7 +34,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -62,7 +57,6 @@ from .trie import PrefixTrie, TrieNode
 # long shared prefixes a tier is for.
 MIN_TOKENS = 64
 MEASURED_PREFILL_MIN = 32  # prefills with fewer new tokens say little about the per-token cost
-UPLOAD_BYTES = 1 << 30     # device memory for copies up ahead of their look-up (at most an eighth of the store's)
 
 
 class CacheTiers:
@@ -72,11 +66,6 @@ class CacheTiers:
         self.min_tokens = min_tokens
         self.cuda = store.device.type == "cuda"
         self._side: torch.cuda.Stream | None = None    # copies down
-        self._loads: torch.cuda.Stream | None = None   # copies up ahead of their look-up (`prefetch`)
-        self._uploads: OrderedDict[Segment, tuple[torch.Tensor, torch.cuda.Event]] = OrderedDict()
-        self.upload_bytes = 0
-        self.uploaded_ahead = 0  # loads whose copy up began at `prefetch`
-        self.upload_budget = min(UPLOAD_BYTES, store.data.nbytes // 8)
         self._lock = threading.Lock()
         self._reading: dict[Path, threading.Event] = {}
         self._read: "weakref.WeakValueDictionary[Path, Segment]" = weakref.WeakValueDictionary()
@@ -168,11 +157,9 @@ class CacheTiers:
         on_device = self.store.data[:, :, index.pin_memory().to(self.store.device, non_blocking=True)]
         host = into if into is not None else torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
         side = self._side_stream()
-        # after the compute stream's work queued so far (the gather), and after every copy up queued so far (a
-        # region of the arena given back may be one they still read)
+        # after the compute stream's work queued so far: the gather, and every copy up (a region of the arena
+        # given back may be one they still read)
         side.wait_stream(torch.cuda.current_stream(self.store.device))
-        if self._loads is not None:
-            side.wait_stream(self._loads)
         with torch.cuda.stream(side):
             host.copy_(on_device, non_blocking=True)
             done = torch.cuda.Event()
@@ -351,77 +338,19 @@ class CacheTiers:
             self._measure(tier, k * self.store.bytes_per_token, time.perf_counter() - started)
             return
         stream = torch.cuda.current_stream(self.store.device)
-        uploaded = self._uploads.pop(seg, None)
-        if uploaded is not None:  # (copied up ahead: `prefetch`) the compute stream waits for the rest of the copy
-            up, arrived = uploaded
-            self.upload_bytes -= up.nbytes
-            self.uploaded_ahead += 1
-            stream.wait_event(arrived)
-            up.record_stream(stream)
-            timed = False
-        else:
-            if seg.ready is not None:
-                stream.wait_event(seg.ready)
-            timed = tier not in self.bandwidth
-            if timed:
-                torch.cuda.synchronize(self.store.device)
-                started = time.perf_counter()
-            # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
-            # asynchronously), then the part wanted goes into the store
-            up = seg.kv.to(self.store.device, non_blocking=True)
+        if seg.ready is not None:
+            stream.wait_event(seg.ready)
+        timed = tier not in self.bandwidth
+        if timed:
+            torch.cuda.synchronize(self.store.device)
+            started = time.perf_counter()
+        # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
+        # asynchronously), then the part wanted goes into the store
+        up = seg.kv.to(self.store.device, non_blocking=True)
         data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, offset:offset + k])
         if timed:
             torch.cuda.synchronize(self.store.device)
             self._measure(tier, seg.nbytes, time.perf_counter() - started)
-
-    def prefetch(self, trie: PrefixTrie, ids: list[int], limit: int) -> None:
-        """(On a GPU, with a host tier) Start copying up, on a stream of their own, the host segments that would
-        continue the device match of ids[:limit] (what `load` would load), so that a look-up queued later finds
-        their K/V on the device: its compute stream waits only for what is left of the copy, which runs while the
-        steps queued meanwhile do. At most `upload_budget` bytes wait on the device (the oldest go). Never
-        raises: a copy not made ahead is made by the load."""
-        if not self.cuda or self.host is None or "host" not in self.bandwidth or not len(self.host):
-            return
-        try:
-            node, cached = trie.match(ids, limit)
-            starts = [0, *(n.depth for n in trie.path(node))]
-            if cached >= limit or not any(self.host.starts(s, ids[s]) for s in starts):
-                return
-            ids32 = np.asarray(ids, dtype=np.int32)
-            while cached < limit:
-                seg, _, k = self._in_host(ids, ids32, starts, cached, limit)
-                if seg is None or not self.worth("host", k * self.store.bytes_per_token, k):
-                    return
-                self._upload(seg)
-                cached += k
-                starts.append(cached)
-        except Exception as e:  # noqa: BLE001 - the load copies it instead
-            self._warn(e)
-
-    def _upload(self, seg: Segment) -> None:
-        """Copy `seg`'s K/V up on the load stream, into device memory of its own (`_up` takes it)."""
-        if seg in self._uploads:
-            self._uploads.move_to_end(seg)
-            return
-        if seg.nbytes > self.upload_budget:
-            return
-        while self.upload_bytes + seg.nbytes > self.upload_budget:
-            _, (old, _) = self._uploads.popitem(last=False)  # (its memory is the load stream's: reused in order)
-            self.upload_bytes -= old.nbytes
-        loads = self._load_stream()
-        with torch.cuda.stream(loads):
-            if seg.ready is not None:
-                loads.wait_event(seg.ready)
-            up = seg.kv.to(self.store.device, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(loads)
-        self._uploads[seg] = (up, arrived)
-        self.upload_bytes += up.nbytes
-
-    def _load_stream(self) -> torch.cuda.Stream:
-        if self._loads is None:
-            self._loads = torch.cuda.Stream(self.store.device)
-        return self._loads
 
     # ----- the cost model -----------------------------------------------------------------------------
 
@@ -459,8 +388,6 @@ class CacheTiers:
         to torch's pinned allocator, which keeps them for the process's next use); the tiers hold nothing
         after."""
         self.flush()
-        self._uploads.clear()
-        self.upload_bytes = 0
         if self.host is not None:
             self.host.clear()
             self.host = None
