@@ -246,8 +246,9 @@ class Scheduler:
         return False
 
     def _take_prefills(self) -> list[Waiting]:
-        """The prefills to run now, off `waiting` (the done ones dropped): the first arrivals looked up in the
-        prefix cache, a cache-aware set of them within the seats, slots and limits (`admission.select`)."""
+        """The prefills to run now, off `waiting` (the done ones dropped where some are chosen): the first arrivals
+        looked up in the prefix cache, a cache-aware set of them within the seats, slots and limits
+        (`admission.select`)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         chosen = []
         if seats > 0:
@@ -260,6 +261,8 @@ class Scheduler:
             room = self.store.available() - DECODE_RESERVE * len(self.rows)
             part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
             chosen = admission.select(ready, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit, part)
+        if not chosen:  # (the done ones are dropped when some are chosen: a pass over every waiting request)
+            return chosen
         chosen_set, kept, done = set(map(id, chosen)), [], []
         for w in self.waiting:  # the done ones are dropped, the chosen ones leave
             if w.future.done() or id(w) not in chosen_set:

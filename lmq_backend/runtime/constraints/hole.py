@@ -31,6 +31,7 @@ What the backend calls, per token of the value (`HFBackend.generate`):
 """
 from __future__ import annotations
 
+from itertools import accumulate, islice
 from typing import Any
 
 import numpy as np
@@ -143,14 +144,13 @@ class HoleState:
                 stop = self.advance(token)
             return stop
         special = hc._special
-        if any(not 0 <= t < len(special) or special[t] for t in tokens):
+        if tokens and (min(tokens) < 0 or max(tokens) >= len(special) or any(map(special.__getitem__, tokens))):
             bad = next(t for t in tokens if not 0 <= t < len(special) or special[t])
             raise LMQRuntimeError(f"token {bad} cannot be part of a value (special or out of range)")
-        token_bytes = hc.vocab.token_bytes
+        pieces = list(map(hc.vocab.token_bytes.__getitem__, tokens))
         value = ctx.value
-        for t in tokens:
-            value += token_bytes[t]
-            ctx.ends.append(len(value))
+        ctx.ends.extend(islice(accumulate(map(len, pieces), initial=len(value)), 1, None))
+        value += b"".join(pieces)
         ctx.tokens.extend(tokens)
         self._allowed = False
         if limit is not None and len(ctx.tokens) >= limit:
@@ -187,6 +187,8 @@ class HoleState:
 
     def _make_stop(self, end: int) -> Stop:
         value = self.ctx.value
+        if end == len(value):  # (the token limit: every token kept, no tail)
+            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="")
         keep = 0
         for i, e in enumerate(self.ctx.ends):
             if e > end:
