@@ -58,8 +58,9 @@ MAX_WORDS = 1 << 15  # words kept (all dropped when full: a cache of the tokeniz
 MAX_WORD = MIN_TEXT  # longer words (text with no word cut) are tokenized, not kept
 _NEWLINE = re.compile(r"\n(?=\S)")  # a newline before a character that is no space (a literal first: fast)
 _WORD_CUT = re.compile(r"(?= [!-~])(?<=[!-~])")  # before a space between printable ASCII characters
-# ... and the digit cuts: before an ASCII digit after a printable ASCII character but a space, after one
-_WORD_OR_DIGIT_CUT = re.compile(r"(?= [!-~])(?<=[!-~])|(?<=[!-~])(?=[0-9])|(?<=[0-9])(?=[ -~])")
+# the digit cuts: before an ASCII digit after a printable ASCII character but a space, after one
+_DIGIT_CUT = re.compile(r"(?<=[!-~])(?=[0-9])|(?<=[0-9])(?=[ -~])")
+_DIGIT = re.compile(r"[0-9]")
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
 # Split expressions whose pieces never hold a non-space character followed by a space (Llama-3's, Qwen2's,
 # GPT-2's): word cuts are exact under them (ByteLevel's own expression, use_regex, is GPT-2's)
@@ -77,7 +78,7 @@ class PrefixEncoder:
         spells in text (added tokens: their content); `words`: are word cuts exact (`_word_cuts_exact`)?
         `digits`: and digit cuts (`_digits_alone`)?"""
         self._encode = encode
-        self._cut = _WORD_OR_DIGIT_CUT if words and digits else _WORD_CUT
+        self._digits = words and digits
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
         self._n_bytes_list: list[int] = self._n_bytes.tolist()
         self._words: dict[str, tuple[int, ...]] | None = {} if words else None
@@ -134,7 +135,7 @@ class PrefixEncoder:
             return self._encode(text)
         if not text:
             return []
-        parts = self._cut.split(text)
+        parts = self.split(text)
         found = list(map(words.get, parts))
         if None in found:
             new = [i for i, f in enumerate(found) if f is None]
@@ -152,14 +153,21 @@ class PrefixEncoder:
                     words[parts[i]] = found[i]
         return list(chain.from_iterable(found))
 
+    def split(self, text: str) -> list[str]:
+        """`text`'s words: cut at word cuts, and at digit cuts where they are exact (a digit cut at a word's
+        edge is a word cut: a word's digit cuts are those of the whole text within it)."""
+        parts = _WORD_CUT.split(text)
+        if self._digits and _DIGIT.search(text) is not None:
+            parts = [piece for part in parts for piece in (_DIGIT_CUT.split(part) if _DIGIT.search(part) else (part,))]
+        return parts
+
     def _runs(self, parts: list[str], new: list[int]) -> list[list[int]]:
         """The new words (`new`: indices in `parts`) in runs that are tokenized joined, each in one call: a word
         joins the run before it where the two meet at a cut (always at word cuts alone; a word that a digit cut
         began after a digit, " x" after "9", meets no word ending in a letter)."""
         runs: list[list[int]] = []
-        cut = self._cut
         for i in new:
-            if runs and (cut is _WORD_CUT or cut.match(parts[runs[-1][-1]][-1] + parts[i][:2], 1) is not None):
+            if runs and (not self._digits or _meet(parts[runs[-1][-1]], parts[i])):
                 runs[-1].append(i)
             else:
                 runs.append([i])
@@ -253,6 +261,12 @@ def _word_cuts_exact(spec: dict) -> bool:
                                          or s.get("behavior") != "Isolated" or s.get("invert")):
             return False
     return not any(" " in a.get("content", "") or a.get("rstrip") for a in spec.get("added_tokens", []))
+
+
+def _meet(before: str, after: str) -> bool:
+    """Do two words joined meet at a cut (a word cut or a digit cut)?"""
+    around = before[-1] + after[:2]
+    return _WORD_CUT.match(around, 1) is not None or _DIGIT_CUT.match(around, 1) is not None
 
 
 def _digits_alone(spec: dict) -> bool:

@@ -147,7 +147,7 @@ def test_words_kept_give_the_tokenizers_ids_in_any_context(tokenizer, seed):
         assert sum(map(len, sent)) < 0.6 * sum(map(len, texts))
         # new words go to the tokenizer joined where they meet at a word cut: whatever was sent splits into
         # words that are kept now (two joined where they do not meet would be one word, never kept)
-        assert all(w in encoder._words for t in sent for w in encoder._cut.split(t))
+        assert all(w in encoder._words for t in sent for w in encoder.split(t))
 
 
 def check_exact_with(encoder: PrefixEncoder, tokenizer, texts: list[str]) -> None:
@@ -179,7 +179,7 @@ def test_a_new_long_prompt_of_seen_words_is_tokenized_by_its_words(tokenizer):
     assert encoder.misses == 4
     # only the new words of the first line went to the tokenizer: "Task" and ":\nReview:" (the numbers' digits were
     # seen: a number is cut into its digits, " 0" and then ":\nReview:")
-    assert [w for t in sent for w in encoder._cut.split(t)] == ["Task", ":\nReview:"]
+    assert [w for t in sent for w in encoder.split(t)] == ["Task", ":\nReview:"]
     check_exact_with(encoder, tokenizer, [reordered[0] + "Review: again"])
     assert encoder.hits == 1  # the new prompt's prefix was stored
 
