@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 
 
 class HoleLoop:
+    __slots__ = ("backend", "seq", "state", "sampler", "row", "masks", "prompt_len", "generated", "stop", "decoded",
+                 "_greedy", "_draws", "_checks", "_unchecked_held", "_unchecked", "_pending", "_could_end", "ahead",
+                 "planned", "pick", "can_end", "extendable", "_taken", "group", "_watches", "_room")
+
     def __init__(self, backend: HFBackend, seq: Sequence, state: HoleState, sampler: Sampler):
         """Plans the first pick at once (its checks need no logits), so that the prefill giving its logits
         can sample it with the prefill's other rows (`draw`); `row` is the prefill's."""
