@@ -32,7 +32,7 @@ from ..errors import LMQBackendError, LMQLengthError, LMQRuntimeError
 from ..text.vocab import VocabIndex
 from ..text.vocab_cache import vocab_index
 from .budgets import parse_bytes
-from .hole_loop import HoleLoop
+from .hole_loop import FreeHoles, HoleLoop
 from .masks import PickMasks
 from .protocol import DEFAULT_MAX_LEN, Backend, HoleState, NextTokens, Sequence
 
@@ -143,6 +143,7 @@ class HFBackend(Backend):
         self._vocab = vocab_index(tokenizer, runner.vocab_size)  # (from disk after the first load)
         self._vocab.prefix_encoder()  # (now, not in the first call)
         self.masks = PickMasks(self._vocab, len(tokenizer), runner.device)
+        self.free_holes = FreeHoles(self.masks.extendable)
         runner.set_greedy_masks(list(self.masks.greedy), after=self.masks.proposals.after)
         with_special = tokenizer("x").input_ids
         plain = tokenizer("x", add_special_tokens=False).input_ids
@@ -182,7 +183,7 @@ class HFBackend(Backend):
             step = hole.start(logits)
             while step is not None:  # the scheduler runs the hole's steps (`HoleLoop.feed`) until it is done
                 try:
-                    await engine.decode(hole.row, *step, then=hole.feed)
+                    await engine.decode(hole.row, *step, then=hole, group=hole.group)
                     step = None
                 except Preempted:  # out of the batch to free slots: prefill the tokens so far again
                     logits, hole.row = await self._prefill(seq, seq.ids + hole.generated, len(seq.ids),

@@ -28,6 +28,12 @@ token the constraint allows (llguidance's expressions are over text: `test_propo
 what makes the checked pick the constrained one. These sets are device masks (`masks.py`), one family for
 values that could end where the character began and one for those that could not, so that a GPU step run
 ahead moves each row to its next mask as this loop will.
+
+A free greedy hole (no constraint on its text: only a token limit, max_len and stop rules end it; greedy without
+knobs, not streamed) plans the same pick before every token: its decode steps are continued by `FreeHoles`, one
+loop over the step's rows of such holes (the scheduler's `group`), which takes each row's pick from the step's
+greedy picks, ends the holes that end and hands the others' next tokens back. A hole whose state watches no text
+(no stop rule) gives its state the tokens only when it leaves that loop (`HoleState.extend`, `_caught_up`).
 """
 from __future__ import annotations
 
@@ -44,6 +50,10 @@ if TYPE_CHECKING:
 
 
 class HoleLoop:
+    __slots__ = ("backend", "seq", "state", "sampler", "row", "masks", "prompt_len", "generated", "stop", "decoded",
+                 "_greedy", "_draws", "_checks", "_unchecked_held", "_unchecked", "_pending", "_could_end", "ahead",
+                 "planned", "pick", "can_end", "extendable", "_taken", "group", "_watches", "_room")
+
     def __init__(self, backend: HFBackend, seq: Sequence, state: HoleState, sampler: Sampler):
         """Plans the first pick at once (its checks need no logits), so that the prefill giving its logits
         can sample it with the prefill's other rows (`draw`); `row` is the prefill's."""
@@ -69,6 +79,17 @@ class HoleLoop:
         self._could_end = False      # could the value end where its last character began? (`Proposals.mask`)
         self.ahead: int | Draw | None = None
         self.planned = self._plan()
+        self._taken = 0  # the generated tokens the state has taken (see `_caught_up`)
+        # a free greedy hole: its decode steps are continued by the backend's `FreeHoles`, with the other rows'
+        self.group: FreeHoles | None = None
+        if self._greedy and getattr(state, "free", False) and seq.on_token is None and type(self.ahead) is int:
+            self.group = backend.free_holes
+            self._watches = getattr(state, "watches_text", True) or not hasattr(state, "extend")
+            # the tokens the value may hold: max_len (`HFBackend.at_max_len`), and the state's limit where it
+            # gives no stop of its own sooner (`FreeHoles`)
+            self._room = seq.max_len - self.prompt_len
+            if not self._watches and state.max_tokens is not None:
+                self._room = min(self._room, state.max_tokens)
 
     @property
     def draw(self) -> Draw | None:
@@ -91,6 +112,14 @@ class HoleLoop:
     def resume(self, logits: torch.Tensor) -> tuple[int, int | Draw | None] | None:
         """The pick from the logits of a preempted row's new prefill (its tokens so far): as `start`."""
         return self._pick(logits[None], 0)
+
+    __call__ = feed  # (the scheduler's continuation of the row)
+
+    def _caught_up(self) -> None:
+        """Give the state the tokens `FreeHoles` took without it (`HoleState.extend`): its stop, if it gave one."""
+        if self._taken < len(self.generated):
+            self.stop = self.state.extend(self.generated[self._taken:])
+            self._taken = len(self.generated)
 
     def _plan(self) -> bool:
         """The checks before the next pick: False if the hole ends without one; raises if it cannot end."""
@@ -125,6 +154,7 @@ class HoleLoop:
         return True
 
     def _pick(self, logits: torch.Tensor | None, i: int) -> tuple[int, int | Draw | None] | None:
+        self._caught_up()
         ahead = self.ahead
         token = self.row.device_pick(ahead) if ahead is not None else None
         if token is None:
@@ -146,6 +176,7 @@ class HoleLoop:
         if self._checks:
             self._pending = int(self.backend.vocab.utf8_tables(self._pending)[1][token])
         self.stop = self.state.advance(token)
+        self._taken += 1
         if self.seq.on_token is not None:
             self.seq.on_token(token)
         if self.stop is not None or not self._plan():
@@ -177,8 +208,49 @@ class HoleLoop:
     def value(self, computed: int) -> tuple[str, list[int], int]:
         """(value text, its token ids, how many of the generated ids have K/V in the row) once done;
         `computed`: the generated tokens the row holds K/V for."""
+        self._caught_up()
         if self.stop is None:
             return self.state.text, self.generated, computed
         stop = self.stop
         ids = self.generated[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
         return stop.text, ids, min(computed, stop.keep)
+
+
+class FreeHoles:
+    """The continuation of the decode steps of free greedy holes (`HoleLoop.group`; one a backend): the step's
+    rows of such holes in one loop, each as `HoleLoop.feed` would take it (the pick under its plan's greedy
+    mask, which never changes; a token outside the value ends the hole; the token limit, max_len or a stop rule
+    ends it after the token), without planning again or, for a state that watches no text, advancing it."""
+
+    def __init__(self, extendable):
+        """`extendable`: bool [V], the tokens that may extend a value (`PickMasks.extendable`)."""
+        self.extendable = bytes(extendable.astype("uint8"))  # (a bytes index: an int, far cheaper than numpy's)
+
+    def __call__(self, logits: torch.Tensor | None, picks, members: list[tuple[int, HoleLoop]]) -> list:
+        if picks is None:  # the step made no greedy picks: each row's own pick from the logits
+            return [_fed(hole, logits, i) for i, hole in members]
+        extendable, out = self.extendable, []
+        for i, hole in members:
+            hole.decoded += 1
+            token = picks(hole.ahead, i)
+            if not extendable[token]:  # (EOS) ends the hole
+                out.append(None)
+                continue
+            generated = hole.generated
+            generated.append(token)
+            if hole._watches:
+                hole._taken += 1
+                stop = hole.stop = hole.state.advance(token)
+                if stop is not None:
+                    out.append(None)
+                    continue
+            out.append(None if len(generated) >= hole._room else (token, hole.ahead))
+        return out
+
+
+def _fed(hole: HoleLoop, logits: torch.Tensor | None, i: int):
+    """`hole.feed(logits, i)`, or the exception it raised."""
+    try:
+        return hole.feed(logits, i)
+    except Exception as e:  # noqa: BLE001 - the failure belongs to that hole's query alone
+        return e

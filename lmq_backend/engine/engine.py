@@ -19,7 +19,7 @@ import torch
 from ..cache.prefix_cache import Pin, PrefixCache
 from ..cache.tiers import TierOptions
 from .picks import Draw
-from .rows import Continuation, PrefillRequest, Row
+from .rows import Continuation, ContinuationGroup, PrefillRequest, Row
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -79,10 +79,11 @@ class Engine:
         return await self.scheduler.prefill(request, first)
 
     async def decode(self, row: Row, token: int, ahead: int | Draw | None = None,
-                     then: Continuation | None = None) -> torch.Tensor | None:
+                     then: Continuation | None = None, group: ContinuationGroup | None = None
+                     ) -> torch.Tensor | None:
         """The logits after feeding `token` to the row (see `Scheduler.decode`); raises `Preempted` where the
         row was taken out of the batch to free slots."""
-        return await self.scheduler.decode(row, token, ahead, then)
+        return await self.scheduler.decode(row, token, ahead, then, group)
 
     def release(self, row: Row) -> None:
         self.scheduler.release(row)

@@ -17,6 +17,11 @@ from .picks import Choices, Draw
 # A row's continuation: called inside a decode step with the step's logits [B, V] (None: kept on the device) and
 # the row's index in them; returns the row's next (token, ahead) to feed, or None (the caller wakes)
 Continuation = Callable[[torch.Tensor | None, int], tuple | None]
+# The continuations of many rows at once: called inside a decode step with the step's logits (None: kept on the
+# device), its greedy picks (`picks(k, i)`, `ModelRunner.picks`; None: the step made none) and the rows that gave
+# it, as (index in the logits, `then`) pairs; returns, row by row, what that row's `then(logits, i)` would: the
+# next (token, ahead), or None, or the exception it would raise
+ContinuationGroup = Callable[[torch.Tensor | None, Callable | None, list[tuple[int, Continuation]]], list]
 
 
 @dataclass(slots=True, eq=False)
@@ -42,12 +47,14 @@ class PrefillRequest:
 class Decode:
     """A row's next decode: the `token` to feed, how the step may pick the token after it (`ahead`: a greedy
     mask of the runner's, a sampling draw, or None), the `future` its caller awaits and its `then`
-    continuation (None: the caller takes the logits)."""
+    continuation (None: the caller takes the logits), which a step calls through its `group`, with the other
+    rows' of that group, where it has one."""
 
     token: int
     ahead: int | Draw | None
     future: asyncio.Future
     then: Continuation | None = None
+    group: ContinuationGroup | None = None
 
 
 class Preempted(Exception):

@@ -45,7 +45,7 @@ from ..errors import LMQBackendError
 from . import admission
 from .admission import AHEAD, DECODE_RESERVE, Waiting
 from .picks import Draw, per_row
-from .rows import Batch, Continuation, Decode, PrefillRequest, Preempted, Row
+from .rows import Batch, Continuation, ContinuationGroup, Decode, PrefillRequest, Preempted, Row
 from .runner import ModelRunner, PrefillRow
 
 
@@ -96,7 +96,8 @@ class Scheduler:
             raise
 
     async def decode(self, row: Row, token: int, ahead: int | Draw | None = None,
-                     then: Continuation | None = None) -> torch.Tensor | None:
+                     then: Continuation | None = None, group: ContinuationGroup | None = None
+                     ) -> torch.Tensor | None:
         """The logits after feeding `token` to the row. `ahead`: the greedy mask (see
         `ModelRunner.set_greedy_masks`) the row's next pick will likely use, so that the GPU may run the
         following step ahead on the device's own picks while the host checks its constraint; or the draw
@@ -107,10 +108,11 @@ class Scheduler:
         next step without waking its caller; or None, and the call returns the row's logits. An exception it
         raises is raised here. Where every row of a step gives a continuation and an `ahead` mask, the
         logits stay on the device (None): a continuation then picks with `row.device_pick`, and the call
-        returns None."""
+        returns None. `group`: a function that continues many rows' `then` at once (`rows.ContinuationGroup`): a
+        step calls it once for all its rows that gave it, in place of each one's `then`."""
         assert row.live, "decode on a row that left the batch"
         future = self._loop().create_future()
-        row.pending = Decode(token, ahead, future, then)
+        row.pending = Decode(token, ahead, future, then, group)
         self._wake.set()
         return await future
 
@@ -244,8 +246,9 @@ class Scheduler:
         return False
 
     def _take_prefills(self) -> list[Waiting]:
-        """The prefills to run now, off `waiting` (the done ones dropped): the first arrivals looked up in the
-        prefix cache, a cache-aware set of them within the seats, slots and limits (`admission.select`)."""
+        """The prefills to run now, off `waiting` (the done ones dropped where some are chosen): the first arrivals
+        looked up in the prefix cache, a cache-aware set of them within the seats, slots and limits
+        (`admission.select`)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
         chosen = []
         if seats > 0:
@@ -258,6 +261,8 @@ class Scheduler:
             room = self.store.available() - DECODE_RESERVE * len(self.rows)
             part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
             chosen = admission.select(ready, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit, part)
+        if not chosen:  # (the done ones are dropped when some are chosen: a pass over every waiting request)
+            return chosen
         chosen_set, kept, done = set(map(id, chosen)), [], []
         for w in self.waiting:  # the done ones are dropped, the chosen ones leave
             if w.future.done() or id(w) not in chosen_set:
@@ -452,9 +457,16 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
             _fail([w.future for w in work if w is not None], e)  # (off the rows: `_fail_all` would not reach them)
             return
+        groups: dict[ContinuationGroup, list[tuple[int, Decode]]] = {}
         for i, (row, w) in enumerate(zip(rows, work)):
             row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
             if w is None or w.future.done():  # (a row that left) cancelled
+                continue
+            if w.group is not None:  # continued with the other rows of its group, below
+                members = groups.get(w.group)
+                if members is None:
+                    members = groups[w.group] = []
+                members.append((i, w))
                 continue
             if w.then is not None:
                 try:
@@ -463,9 +475,23 @@ class Scheduler:
                     w.future.set_exception(e)
                     continue
                 if step is not None:  # the row goes on in the next step, its caller still waiting
-                    row.pending = Decode(*step, w.future, w.then)
+                    w.token, w.ahead = step
+                    row.pending = w
                     continue
             w.future.set_result(None if logits is None else logits[i])
+        for group, members in groups.items():
+            try:
+                steps = group(logits, picks, [(i, w.then) for i, w in members])
+            except Exception as e:  # noqa: BLE001 - the failure belongs to that group's queries alone
+                steps = [e] * len(members)
+            for (i, w), step in zip(members, steps):
+                if step is None:
+                    w.future.set_result(None if logits is None else logits[i])
+                elif isinstance(step, Exception):
+                    w.future.set_exception(step)
+                else:  # the row goes on in the next step, its caller still waiting
+                    w.token, w.ahead = step
+                    rows[i].pending = w
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | Draw | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:

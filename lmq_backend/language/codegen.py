@@ -24,7 +24,7 @@ defined in the query sees the query's variables as a module's function sees the 
 from __future__ import annotations
 
 import ast as pyast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 
 from ..errors import LMQSyntaxError
@@ -40,12 +40,14 @@ FUNCTION = "__lmq_query__"
 @dataclass(frozen=True, slots=True)
 class Program:
     """A compiled query body: `code` is the code object of `async def __lmq_query__(__lmq__)`; the calls
-    it makes name prompt statements by their index in `prompts`."""
+    it makes name prompt statements by their index in `prompts`. `memo`: what the runtime derives once from
+    the program for all its calls (each hole's constraint)."""
 
     query: QueryAST
     code: CodeType
     prompts: tuple[Prompt, ...]
     filename: str
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def compile_program(query: QueryAST, name: str = "query") -> Program:

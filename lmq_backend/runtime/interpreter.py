@@ -147,7 +147,17 @@ class Run:
             if dist is not None and dist.var == piece.name:
                 await self._flush()
                 return await self._distribution(dist)
-        return await self._hole(piece, _conjoin(stmt.where, self.query.where))
+        return await self._hole(piece, self._constraint(k, i))
+
+    def _constraint(self, k: int, i: int) -> ast.Constraint | None:
+        """The constraint of piece i of prompt statement k, a hole: the conjuncts of its `where` and the query's
+        that concern it (`constraint_for_hole`), found once a program."""
+        memo = self.program.memo
+        key = ("constraint", k, i)
+        if key not in memo:
+            stmt = self.program.prompts[k]
+            memo[key] = constraint_for_hole(_conjoin(stmt.where, self.query.where), stmt.pieces[i].name)
+        return memo[key]
 
     def _write(self, text: str, variable: str | None = None) -> None:
         """Prompt text (`variable`: the nested query whose value it is)."""
@@ -168,8 +178,8 @@ class Run:
     async def _flush(self, final: bool = False) -> None:
         self.seq = await self.transcript.flush(self.backend, self.seq, final)
 
-    async def _hole(self, hole: ast.Hole, where: ast.Constraint | None) -> Any:
-        c = constraint_for_hole(where, hole.name)
+    async def _hole(self, hole: ast.Hole, c: ast.Constraint | None) -> Any:
+        """The value of `hole` under its constraint `c` (`_constraint`), and its type's."""
         typed = None
         if hole.type is not None:
             t, call = self._hole_type_value(hole)

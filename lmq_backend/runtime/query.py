@@ -120,7 +120,8 @@ class Query:
         return out[0] if self.decoder.n == 1 else out
 
     def _check_inputs(self, inputs: dict[str, Any], what: str) -> None:
-        missing = sorted(self._needs - inputs.keys() - self.scope.keys())
+        scope = self.scope
+        missing = sorted(name for name in self._needs if name not in inputs and name not in scope)
         if not missing:
             return
         for stmt in walk_stmts(self.ast.body):

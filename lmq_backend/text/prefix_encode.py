@@ -28,6 +28,14 @@ nothing across a space; and with no added token containing a space or taking the
 costs a dictionary lookup a word, and its unseen words one call of the tokenizer (joined in order, they meet
 at word cuts again: each but the last ends in a printable character, each but the first starts with " X").
 
+Where no token of the vocabulary holds a digit with another character (SmolLM2's spells each digit alone: BPE
+merges no digit with anything) and no added token holds a digit, words are cut at *digit cuts* too: before an
+ASCII digit that follows a printable ASCII character other than a space, and after one before any printable
+ASCII character. A digit begins a piece of every accepted expression unless a space or a digit comes before
+it (the first is no cut: "  1" is pieced " ", " 1", and "  " alone may be one token), and a piece of digits
+ends at its last digit; inside a piece of digits, BPE joins none. So a number is its digits' ids, each kept:
+a call's new number (a counter, a date, an order id) costs no call of the tokenizer.
+
 A text whose ids do not add up to its bytes (a tokenizer the rule above does not describe) is never
 stored, and tests compare the result with the tokenizer's own on random texts.
 """
@@ -50,6 +58,9 @@ MAX_WORDS = 1 << 15  # words kept (all dropped when full: a cache of the tokeniz
 MAX_WORD = MIN_TEXT  # longer words (text with no word cut) are tokenized, not kept
 _NEWLINE = re.compile(r"\n(?=\S)")  # a newline before a character that is no space (a literal first: fast)
 _WORD_CUT = re.compile(r"(?= [!-~])(?<=[!-~])")  # before a space between printable ASCII characters
+# the digit cuts: before an ASCII digit after a printable ASCII character but a space, after one
+_DIGIT_CUT = re.compile(r"(?<=[!-~])(?=[0-9])|(?<=[0-9])(?=[ -~])")
+_DIGIT = re.compile(r"[0-9]")
 _PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits"}
 # Split expressions whose pieces never hold a non-space character followed by a space (Llama-3's, Qwen2's,
 # GPT-2's): word cuts are exact under them (ByteLevel's own expression, use_regex, is GPT-2's)
@@ -61,10 +72,13 @@ _WORD_SPLITS = {
 
 
 class PrefixEncoder:
-    def __init__(self, encode: Callable[[str], list[int]], n_bytes: np.ndarray, words: bool = False):
+    def __init__(self, encode: Callable[[str], list[int]], n_bytes: np.ndarray, words: bool = False,
+                 digits: bool = False):
         """`encode`: the tokenizer's own encode (no special tokens); `n_bytes[id]`: the UTF-8 bytes a token
-        spells in text (added tokens: their content); `words`: are word cuts exact (`_word_cuts_exact`)?"""
+        spells in text (added tokens: their content); `words`: are word cuts exact (`_word_cuts_exact`)?
+        `digits`: and digit cuts (`_digits_alone`)?"""
         self._encode = encode
+        self._digits = words and digits
         self._n_bytes = np.asarray(n_bytes, dtype=np.int64)
         self._n_bytes_list: list[int] = self._n_bytes.tolist()
         self._words: dict[str, tuple[int, ...]] | None = {} if words else None
@@ -87,7 +101,7 @@ class PrefixEncoder:
             if 0 <= added["id"] < len(spelled):
                 spelled[added["id"]] = len(added["content"].encode("utf-8"))
         return cls(lambda text: backend.encode(text, add_special_tokens=False).ids, spelled,
-                   words=_word_cuts_exact(spec))
+                   words=_word_cuts_exact(spec), digits=_digits_alone(spec))
 
     @staticmethod
     def supports(tokenizer: Any) -> bool:
@@ -121,22 +135,43 @@ class PrefixEncoder:
             return self._encode(text)
         if not text:
             return []
-        parts = _WORD_CUT.split(text)
+        parts = self.split(text)
         found = list(map(words.get, parts))
         if None in found:
             new = [i for i, f in enumerate(found) if f is None]
-            ids = self._encode("".join(parts[i] for i in new))
-            split = self._split(ids, [len(parts[i].encode("utf-8")) for i in new])
-            if split is None:
-                return self._encode(text)  # ids not split at the words: not this rule's tokenizer
-            for i, word_ids in zip(new, split):
-                found[i] = word_ids
+            for run in self._runs(parts, new):
+                ids = self._encode("".join(parts[i] for i in run))
+                split = self._split(ids, [len(parts[i].encode("utf-8")) for i in run])
+                if split is None:
+                    return self._encode(text)  # ids not split at the words: not this rule's tokenizer
+                for i, word_ids in zip(run, split):
+                    found[i] = word_ids
             if len(words) + len(new) > MAX_WORDS:
                 words.clear()
             for i in new:
                 if len(parts[i]) <= MAX_WORD:
                     words[parts[i]] = found[i]
         return list(chain.from_iterable(found))
+
+    def split(self, text: str) -> list[str]:
+        """`text`'s words: cut at word cuts, and at digit cuts where they are exact (a digit cut at a word's
+        edge is a word cut: a word's digit cuts are those of the whole text within it)."""
+        parts = _WORD_CUT.split(text)
+        if self._digits and _DIGIT.search(text) is not None:
+            parts = [piece for part in parts for piece in (_DIGIT_CUT.split(part) if _DIGIT.search(part) else (part,))]
+        return parts
+
+    def _runs(self, parts: list[str], new: list[int]) -> list[list[int]]:
+        """The new words (`new`: indices in `parts`) in runs that are tokenized joined, each in one call: a word
+        joins the run before it where the two meet at a cut (always at word cuts alone; a word that a digit cut
+        began after a digit, " x" after "9", meets no word ending in a letter)."""
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and (not self._digits or _meet(parts[runs[-1][-1]], parts[i])):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
 
     def _split(self, ids: list[int], lengths: list[int]) -> list[tuple[int, ...]] | None:
         """`ids` cut into the words of `lengths` bytes each: a word's ids are those whose bytes end within it,
@@ -226,6 +261,24 @@ def _word_cuts_exact(spec: dict) -> bool:
                                          or s.get("behavior") != "Isolated" or s.get("invert")):
             return False
     return not any(" " in a.get("content", "") or a.get("rstrip") for a in spec.get("added_tokens", []))
+
+
+def _meet(before: str, after: str) -> bool:
+    """Do two words joined meet at a cut (a word cut or a digit cut)?"""
+    around = before[-1] + after[:2]
+    return _WORD_CUT.match(around, 1) is not None or _DIGIT_CUT.match(around, 1) is not None
+
+
+def _digits_alone(spec: dict) -> bool:
+    """Does no token of the (byte-level: an ASCII digit is itself in its tokens' strings) vocabulary hold a digit
+    with another character, and no added token a digit?"""
+    vocab = (spec.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return False
+    has_digit = re.compile(r"[0-9]")
+    if any(len(token) > 1 and has_digit.search(token) for token in vocab):
+        return False
+    return not any(has_digit.search(a.get("content", "")) for a in spec.get("added_tokens", []))
 
 
 def _cuts(text: str, after: int | None = None) -> list[int]:

@@ -147,7 +147,7 @@ def test_words_kept_give_the_tokenizers_ids_in_any_context(tokenizer, seed):
         assert sum(map(len, sent)) < 0.6 * sum(map(len, texts))
         # new words go to the tokenizer joined where they meet at a word cut: whatever was sent splits into
         # words that are kept now (two joined where they do not meet would be one word, never kept)
-        assert all(w in encoder._words for t in sent for w in prefix_encode._WORD_CUT.split(t))
+        assert all(w in encoder._words for t in sent for w in encoder.split(t))
 
 
 def check_exact_with(encoder: PrefixEncoder, tokenizer, texts: list[str]) -> None:
@@ -176,9 +176,10 @@ def test_a_new_long_prompt_of_seen_words_is_tokenized_by_its_words(tokenizer):
     sent = counting(encoder)
     reordered = [f"Task {k}:\n" + "".join(rng.sample(shots, len(shots))) for k in range(3)]
     check_exact_with(encoder, tokenizer, reordered)
-    assert encoder.misses == 4  # only the new words of the first line ("Task", " 0:\nReview:") went to the tokenizer
-    assert [w for t in sent for w in prefix_encode._WORD_CUT.split(t)] == ["Task", " 0:\nReview:", " 1:\nReview:",
-                                                                          " 2:\nReview:"]
+    assert encoder.misses == 4
+    # only the new words of the first line went to the tokenizer: "Task" and ":\nReview:" (the numbers' digits were
+    # seen: a number is cut into its digits, " 0" and then ":\nReview:")
+    assert [w for t in sent for w in encoder.split(t)] == ["Task", ":\nReview:"]
     check_exact_with(encoder, tokenizer, [reordered[0] + "Review: again"])
     assert encoder.hits == 1  # the new prompt's prefix was stored
 
@@ -222,3 +223,21 @@ def test_new_words_ids_are_split_where_their_bytes_end():
     assert encoder._split([2, 2, 1], [2, 2]) is None
     assert encoder._split([], [1]) is None
     assert encoder._split([], []) == [] and encoder._split([0], []) is None
+
+
+def test_numbers_are_tokenized_by_their_digits(tokenizer):
+    """The default tokenizer spells each digit alone (`_digits_alone`): a number is cut into its digits, so the
+    calls of a counter (a new number each) send nothing to the tokenizer once its digits were seen, and every
+    text's ids stay the tokenizer's own, numbers anywhere (after letters, spaces, punctuation, other digits)."""
+    assert prefix_encode._digits_alone(prefix_encode._spec(tokenizer))
+    assert not prefix_encode._digits_alone(prefix_encode._spec(llama3_style_tokenizer()))  # (it merges digits)
+    shots = "".join(f"Review: review number {i} was fine.\nSentiment: positive\n\n" for i in range(40))
+    calls = [f"{shots}Review: the coffee was cold (visit {i:06d}, x{i}y, {i}.5%)\nSummary:" for i in range(100, 130)]
+    encoder = check_exact(tokenizer, calls[:2])
+    sent = counting(encoder)
+    check_exact_with(encoder, tokenizer, calls[2:])
+    assert sent == []
+    rng = random.Random(4)
+    pieces = ["7", "123", "0", " 0", "  1", "x9", "1st", "(", ")", ".", ",", "'s", " ", "\n", "é", "\u0301", "-", "a"]
+    check_exact_with(encoder, tokenizer, ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
+                                          for _ in range(2000)])

@@ -22,11 +22,16 @@ What the backend calls, per token of the value (`HFBackend.generate`):
   memoized mask: copy it to modify); after a stop, or once the token limit is reached, it is all False. It is
   computed once per token (advance() invalidates it).
 - advance() of a special or out-of-range token, or after a stop, raises LMQRuntimeError.
+- A free hole's state (`free`: no constraint on the text, only stop rules and a token limit) takes tokens
+  without a check before each: allowed() is None and can_end() True whatever it has taken. Where it watches
+  no text either (`watches_text` False: no stop rule), only its token limit `max_tokens` ends it, and its
+  tokens may come several at once (`extend`).
 - Values are bytes inside (`value_bytes`); `text` decodes them with errors="replace". `tokens`,
   `n_tokens`: the appended ids.
 """
 from __future__ import annotations
 
+from itertools import accumulate, islice
 from typing import Any
 
 import numpy as np
@@ -43,6 +48,7 @@ class HoleConstraint:
     def __init__(self, node: _Node, vocab: VocabIndex, stops: list[_StopString], max_tokens: int | None):
         self.node, self.vocab, self.stops, self.max_tokens = node, vocab, stops, max_tokens
         self.unconstrained = isinstance(node, _FreeNode) and not stops and max_tokens is None
+        self.free = isinstance(node, _FreeNode)
         # advance()'s check of a token, per token: bytes index as ints, ~5x faster than the numpy array
         self._special = vocab.special.astype(np.uint8).tobytes()
 
@@ -111,6 +117,46 @@ class HoleState:
     def can_end(self) -> bool:
         return self.root.can_end()
 
+    @property
+    def free(self) -> bool:
+        """Is the text free (see the module docstring)?"""
+        return self.hc.free
+
+    @property
+    def watches_text(self) -> bool:
+        """Does a stop rule read the value as each token comes?"""
+        return bool(self.hc.stops)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens the value may hold (`len(TOKENS(X)) < n`), None: no limit."""
+        return self.hc.max_tokens
+
+    def extend(self, tokens: list[int]) -> Stop | None:
+        """advance() of each token in turn: the last one's answer. A free state that watches no text takes
+        them at once."""
+        hc, ctx = self.hc, self.ctx
+        limit = hc.max_tokens
+        if not hc.free or hc.stops or self._stopped is not None or (
+                limit is not None and len(ctx.tokens) + len(tokens) > limit):
+            stop = None
+            for token in tokens:
+                stop = self.advance(token)
+            return stop
+        special = hc._special
+        if tokens and (min(tokens) < 0 or max(tokens) >= len(special) or any(map(special.__getitem__, tokens))):
+            bad = next(t for t in tokens if not 0 <= t < len(special) or special[t])
+            raise LMQRuntimeError(f"token {bad} cannot be part of a value (special or out of range)")
+        pieces = list(map(hc.vocab.token_bytes.__getitem__, tokens))
+        value = ctx.value
+        ctx.ends.extend(islice(accumulate(map(len, pieces), initial=len(value)), 1, None))
+        value += b"".join(pieces)
+        ctx.tokens.extend(tokens)
+        self._allowed = False
+        if limit is not None and len(ctx.tokens) >= limit:
+            self._stopped = self._make_stop(len(value))
+        return self._stopped
+
     def advance(self, token_id: int) -> Stop | None:
         if self._stopped is not None:
             raise LMQRuntimeError("advance() after the hole stopped")
@@ -141,6 +187,8 @@ class HoleState:
 
     def _make_stop(self, end: int) -> Stop:
         value = self.ctx.value
+        if end == len(value):  # (the token limit: every token kept, no tail)
+            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="")
         keep = 0
         for i, e in enumerate(self.ctx.ends):
             if e > end:
