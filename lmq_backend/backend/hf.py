@@ -282,9 +282,7 @@ class HFBackend(Backend):
         self._tiers_at_reset = self.engine.cache.tier_counts()
 
     def record_call(self, template: str, seconds: float) -> None:
-        t = self._template(template)
-        t.calls += 1
-        t.latencies.append(seconds)
+        self._template(template).record_call(seconds)
         self._totals.calls += 1
 
     def stats(self) -> CacheStats:
@@ -295,14 +293,13 @@ class HFBackend(Backend):
             tokens_decoded=t.tokens_decoded, evictions=cache.evictions - self._evictions_at_reset,
             bytes_in_use=cache.bytes_in_use, nodes=len(cache), pinned_nodes=cache.pinned_nodes(),
             **cache.tier_counts(since=self._tiers_at_reset),
-            per_template={k: TemplateStats(**{f: getattr(v, f) for f in TemplateStats.__slots__})
-                          for k, v in self._templates.items()},
+            per_template={k: v.copy() for k, v in self._templates.items()},
         )
 
     def _template(self, template: str) -> TemplateStats:
         t = self._templates.get(template)
         if t is None:  # (not setdefault: that would build a TemplateStats on every call)
-            t = self._templates[template] = TemplateStats()
+            t = self._templates[template] = TemplateStats.live()
         return t
 
     # ----- the engine's requests ---------------------------------------------------------------------

@@ -34,14 +34,17 @@ as reused, like the trie's own:
 Counters are kept in total and per query template (``per_template``, keyed by ``Query.name``: the
 function name for ``@lmq.query``, else the ``name=`` given, else the first line of the source; ``lmq
 run``/``lmq profile`` name a file's query by its path). Each template also records the wall time of each
-call (``latencies``, seconds), summarised as ``p50``/``p95``.
+call (``latencies``, seconds; the most recent LATENCY_WINDOW calls, so that a server's statistics stay the same
+size), summarised as ``p50``/``p95``.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 _COUNTERS = ("calls", "lookups", "hits", "tokens_requested", "tokens_reused", "tokens_prefilled", "tokens_decoded")
+LATENCY_WINDOW = 10_000  # the calls a template's latencies keep, the most recent (p50 / p95 are over them)
 TIER_COUNTERS = ("host_hits", "disk_hits", "tokens_from_host", "tokens_from_disk", "bytes_to_host",
                  "bytes_from_host", "bytes_to_disk", "bytes_from_disk", "disk_rejected")
 
@@ -98,7 +101,16 @@ class TemplateStats(_Rates):
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_decoded: int = 0
-    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call
+    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call (the latest ones)
+
+    @classmethod
+    def live(cls) -> "TemplateStats":
+        """A template's record as a backend keeps it: its latencies the last LATENCY_WINDOW calls'."""
+        return cls(latencies=deque(maxlen=LATENCY_WINDOW))
+
+    def record_call(self, seconds: float) -> None:
+        self.calls += 1
+        self.latencies.append(seconds)
 
     def record_prefill(self, requested: int, reused: int) -> None:
         self.lookups += 1
@@ -108,6 +120,7 @@ class TemplateStats(_Rates):
         self.tokens_prefilled += requested - reused
 
     def copy(self) -> "TemplateStats":
+        """A snapshot (its latencies a list of their own)."""
         return TemplateStats(*(getattr(self, f) for f in _COUNTERS), latencies=list(self.latencies))
 
     def as_dict(self, latencies: bool = False) -> dict:
@@ -160,15 +173,16 @@ class CacheStats(_Rates):
     def since(self, earlier: "CacheStats") -> "CacheStats":
         """The counters accumulated between `earlier` and this snapshot (both from the same backend, with
         no `reset_stats()` between); the gauges (bytes in use, nodes) are this snapshot's. Latencies are
-        those recorded after `earlier`."""
+        those of the calls after `earlier` (as many of them as this snapshot still holds)."""
         out = CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(CacheStats)
                             if f.name in _COUNTERS or f.name in TIER_COUNTERS or f.name == "evictions"},
                          bytes_in_use=self.bytes_in_use, nodes=self.nodes, pinned_nodes=self.pinned_nodes,
                          host_bytes_in_use=self.host_bytes_in_use)
         for name, t in self.per_template.items():
             e = earlier.per_template.get(name, TemplateStats())
-            d = TemplateStats(*(getattr(t, f) - getattr(e, f) for f in _COUNTERS),
-                              latencies=list(t.latencies[len(e.latencies):]))
+            d = TemplateStats(*(getattr(t, f) - getattr(e, f) for f in _COUNTERS))
+            kept = list(t.latencies)
+            d.latencies = kept[len(kept) - min(d.calls, len(kept)):]
             if any(getattr(d, f) for f in _COUNTERS):
                 out.per_template[name] = d
         return out

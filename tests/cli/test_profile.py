@@ -10,6 +10,7 @@ import pytest
 
 import lmq_backend as lmq
 from lmq_backend.backend import protocol, registry
+from lmq_backend.cache import stats as stats_module
 from lmq_backend.cache.stats import CacheStats, StepInfo, TemplateStats, format_table, percentile
 from lmq_backend.cli import main
 from lmq_backend.profile import format_step, log_steps, profile_query, query_inputs, read_inputs
@@ -99,6 +100,26 @@ async def test_per_template_sums_equal_totals_and_reset_zeroes(make_backend):
     assert (z.bytes_in_use, z.nodes) == (bytes_before, nodes_before)  # gauges: the trie is still there
     assert z.token_hit_rate == 0.0 and z.p50 is None
     json.dumps(z.as_dict())
+
+
+def test_a_templates_latencies_keep_the_latest_calls(monkeypatch):
+    """A backend keeps a template's last LATENCY_WINDOW latencies (a server's statistics stay one size); a
+    snapshot holds a list of its own, and `since` takes the latencies of the calls after the earlier one."""
+    monkeypatch.setattr(stats_module, "LATENCY_WINDOW", 3)
+    t = TemplateStats.live()
+    for x in (5.0, 1.0, 2.0):
+        t.record_call(x)
+    earlier = CacheStats(per_template={"q": t.copy()})
+    for x in (3.0, 4.0):
+        t.record_call(x)
+    assert t.calls == 5 and list(t.latencies) == [2.0, 3.0, 4.0] and t.p50 == 3.0
+    snap = t.copy()
+    assert type(snap.latencies) is list and snap.latencies == [2.0, 3.0, 4.0]
+    t.record_call(9.0)
+    assert snap.latencies == [2.0, 3.0, 4.0]                    # the snapshot does not move
+    later = CacheStats(per_template={"q": snap})
+    assert later.since(earlier).per_template["q"].latencies == [3.0, 4.0]
+    assert later.since(CacheStats()).per_template["q"].latencies == [2.0, 3.0, 4.0]  # (as many as are kept)
 
 
 def test_since_as_dict_percentiles_and_table():
