@@ -30,6 +30,11 @@ ALIGN = 4096          # bytes: regions start on a page
 CHUNK_MIN = 64 << 20  # the smallest block the budget is cut into (a smaller budget is one block)
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of `shape` and `dtype`."""
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
 def region_bytes(nbytes: int) -> int:
     """The bytes a region for `nbytes` takes (rounded up to ALIGN)."""
     return max(1, -(-nbytes // ALIGN)) * ALIGN
@@ -67,7 +72,7 @@ class HostArena:
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of `shape` and `dtype` in a free region (uninitialized), or None where no free region is that
         large; the region is free again when the tensor is garbage."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = tensor_bytes(shape, dtype)
         size = region_bytes(nbytes)
         with self._lock:
             offset = next((o for o in self._starts if self._sizes[o] >= size), None)

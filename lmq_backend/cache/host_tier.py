@@ -13,7 +13,6 @@ nothing of the trie, the store or the device. Not thread-safe (the backend's eve
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -21,7 +20,7 @@ import numpy as np
 
 import torch
 
-from .host_arena import HostArena, region_bytes
+from .host_arena import HostArena, region_bytes, tensor_bytes
 from .segment import Segment
 
 
@@ -71,7 +70,7 @@ class HostTier:
         at once; where the free regions are too small, more go. While segments dropped earlier are still held
         (a disk tier writing them), so that the arena is short of free bytes, the K/V gets pinned memory of its
         own instead: the budget counts the tier's own segments, so this is at most what is held that way."""
-        size = region_bytes(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+        size = region_bytes(tensor_bytes(shape, dtype))
         if size > self.budget_bytes:
             return None
         while self.bytes_in_use + size > self.budget_bytes:

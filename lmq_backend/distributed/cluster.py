@@ -24,6 +24,7 @@ from ..cache.stats import CacheStats
 from ..errors import LMQBackendError
 from .client import ClusterClient
 from .replica import Outcome, Replica, Spec
+from .prefix_tree import ApproxPrefixTree
 from .router import Router, RouterConfig
 
 
@@ -67,7 +68,7 @@ class Cluster(ClusterClient):
         for _ in range(replicas):
             self._start_replica()
 
-    def _start_replica(self, tree=None) -> int:
+    def _start_replica(self, tree: ApproxPrefixTree | None = None) -> int:
         rid = next(self._ids)
         self.handles[rid] = self._actor.remote(self.model, self.backend_options)
         self.router.add(rid, tree)
@@ -98,8 +99,8 @@ class Cluster(ClusterClient):
             self._start_replica(tree if shared else None)  # (its prefixes are on the disk it will read)
 
     def wait_ready(self, timeout: float | None = None) -> dict[int, dict]:
-        """Block until every replica has built its backend; {replica id: {"pid", "backend"}}. A replica that
-        cannot start raises LMQBackendError with its error."""
+        """Block until every replica has built its backend; {replica id: {"pid", "backend", "node", "disk"}}
+        (`Replica.ready`; kept as `infos`). A replica that cannot start raises LMQBackendError with its error."""
         ray = _ray()
         try:
             infos = ray.get([h.ready.remote() for h in self.handles.values()], timeout=timeout)

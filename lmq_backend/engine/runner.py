@@ -177,9 +177,9 @@ class ModelRunner:
             for i, slot in zip(group, group_slots):
                 slots[i] = slot
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if order != list(range(len(rows))):  # (one gather of [B, V], not B rows stacked; the index goes to a GPU
-            back = torch.from_numpy(np.argsort(order))  # from pinned memory: from pageable memory the host would
-            if stacked.is_cuda:                         # wait for the prefill just queued)
+        if order != list(range(len(rows))):  # (one gather of [B, V], not B rows stacked)
+            back = torch.from_numpy(np.argsort(order))
+            if stacked.is_cuda:  # from pinned memory: from pageable memory the host would wait for the prefill
                 back = back.pin_memory().to(stacked.device, non_blocking=True)
             stacked = stacked[back]
         self.picks = self._greedy_picks(stacked)

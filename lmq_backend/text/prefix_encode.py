@@ -275,10 +275,9 @@ def _digits_alone(spec: dict) -> bool:
     vocab = (spec.get("model") or {}).get("vocab")
     if not isinstance(vocab, dict):
         return False
-    has_digit = re.compile(r"[0-9]")
-    if any(len(token) > 1 and has_digit.search(token) for token in vocab):
+    if any(len(token) > 1 and _DIGIT.search(token) for token in vocab):
         return False
-    return not any(has_digit.search(a.get("content", "")) for a in spec.get("added_tokens", []))
+    return not any(_DIGIT.search(a.get("content", "")) for a in spec.get("added_tokens", []))
 
 
 def _cuts(text: str, after: int | None = None) -> list[int]:
