@@ -73,8 +73,7 @@ class HostTier:
         size = region_bytes(tensor_bytes(shape, dtype))
         if size > self.budget_bytes:
             return None
-        while self.bytes_in_use + size > self.budget_bytes:
-            down(self._drop(next(iter(self._lru))))
+        self._make_room(size, down)
         while (kv := self.arena.tensor(shape, dtype)) is None:
             if self.arena.nbytes - self.arena.bytes_in_use < size or not self._lru:
                 return torch.empty(shape, dtype=dtype, pin_memory=self.arena.pinned)
@@ -96,9 +95,8 @@ class HostTier:
         for old in [s for s in self._lru.values() if seg.start <= s.start and s.end <= seg.end
                     and np.array_equal(s.ids, seg.ids[:s.end])]:
             self._drop((old.start, old.key))
-        dropped = []
-        while self.bytes_in_use + held > self.budget_bytes:
-            dropped.append(self._drop(next(iter(self._lru))))
+        dropped: list[Segment] = []
+        self._make_room(held, dropped.append)
         self._lru[name] = seg
         self._by_head.setdefault((seg.start, int(seg.ids[seg.start])), []).append(seg)
         self.bytes_in_use += held
@@ -143,6 +141,12 @@ class HostTier:
         assert self.bytes_in_use == held <= self.budget_bytes
         indexed = [s for segs in self._by_head.values() for s in segs]
         assert len(indexed) == len(self._lru) and all(self._lru[(s.start, s.key)] is s for s in indexed)
+
+    def _make_room(self, nbytes: int, down: Callable[[Segment], object]) -> None:
+        """Drop the least recently used segments until `nbytes` more fit the budget, each handed to `down` at
+        once (holding none here: a segment's arena region is free again when nothing holds its K/V)."""
+        while self.bytes_in_use + nbytes > self.budget_bytes:
+            down(self._drop(next(iter(self._lru))))
 
     def _drop(self, name: tuple[int, str]) -> Segment:
         seg = self._lru.pop(name)
