@@ -147,8 +147,11 @@ def host(args) -> None:
         sync()
         seconds = time.perf_counter() - started
         s = backend.stats()
+        tiers = backend.tiers
+        bandwidth = None if tiers is None else tiers.bandwidth.get("host")
         backend.close()
-        return {"qps": len(calls) / seconds, "hit": s.token_hit_rate, "host_hits": s.host_hits,
+        return {"qps": len(calls) / seconds, "seconds": seconds, "bandwidth": bandwidth,
+                "hit": s.token_hit_rate, "host_hits": s.host_hits,
                 "from_host": s.tokens_from_host, "down": s.bytes_to_host, "up": s.bytes_from_host,
                 "evictions": s.evictions, "answers": [r["CLS"] for r in results]}
 
@@ -161,6 +164,11 @@ def host(args) -> None:
     for name, r in (("host tier 4GB", with_host), ("no host tier", without), ("all on device", ceiling)):
         print(f"{name:<16} {r['qps']:8.1f} {r['hit']:9.3f} {r['host_hits']:9d} {r['evictions']:9d} "
               f"{r['down'] / 1e9:8.2f} {r['up'] / 1e9:8.2f}")
+    if with_host["bandwidth"]:
+        copying = with_host["up"] / with_host["bandwidth"]
+        print(f"host -> device at {with_host['bandwidth'] / 1e9:.1f} GB/s (measured on the tier's first load): "
+              f"the loads' {with_host['up'] / 1e9:.1f} GB take {copying:.2f} s of the run's "
+              f"{with_host['seconds']:.2f} s")
     same = sum(a == b for a, b in zip(with_host["answers"], without["answers"]))
     print(f"q/s with / without the host tier: {with_host['qps'] / without['qps']:.2f}x (target >= 3x, hit rate "
           f">= 0.95); answers agree on {same}/{len(calls)}")
