@@ -3,6 +3,7 @@
 Where K/V moves
 ---------------
     trie --evicted--> host tier --dropped (LRU)--> disk tier     down, instead of being thrown away
+    trie --refused--> (as if evicted)                            a prefix the trie has no room for
     trie --inserted--> disk tier                                 written through: the next process's warm start
     (nodes of MIN_TOKENS or more only)
     host tier, disk tier --load--> fresh store slots            up, as trie nodes, when cheaper than a prefill
@@ -13,6 +14,7 @@ that node again costs nothing); the disk tier keeps what it has until its budget
 The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line marked "cache tiers" where it is):
     PrefixTrie.evict          `on_evict(trie, leaf)` before the leaf's slots are freed       -> `evicted`
     PrefixCache.extend        each node a prefill or a hole stored                          -> `inserted`
+                              what the trie had no room for                                 -> `refused`
     PrefixCache.stage         (before a prefill is queued: `Engine.prefill`) `stage_from` on the loop; `stage`
                               in a worker thread reads the files that continue the device and host matches
                               (mapped, checked)
@@ -98,29 +100,15 @@ class CacheTiers:
         """`trie` evicts `node` (still in place): keep its K/V in the host tier, else on disk (nodes of
         `min_tokens` or more; their token ids from the root are read only then). Never raises: a tier that
         fails is a miss later, with one warning."""
-        try:
-            tokens = len(node.ids)
-            if tokens < self.min_tokens:
-                return
-            ids = np.asarray(trie.path_ids(node), dtype=np.int32)
-            start = len(ids) - tokens
-            if self.host is None:
-                self._write_through(ids, start, node)
-                return
-            if self.host.covering(ids, start) is not None:
-                return
-            into = None
-            if self.host.arena is not None:
-                into = self.host.reserve(self._shape(tokens), self.store.dtype, self._to_disk)
-                if into is None:  # (larger than the host tier: the node goes to disk, as without one)
-                    self._write_through(ids, start, node)
-                    return
-            seg = self._down(ids, start, node.slots, into)
-            self.bytes_to_host += seg.nbytes
-            for dropped in self.host.put(seg):
-                self._to_disk(dropped)
-        except Exception as e:  # noqa: BLE001 - the trie's eviction goes on; the tokens are computed later
-            self._warn(e)
+        if len(node.ids) >= self.min_tokens:
+            self._keep(lambda: trie.path_ids(node), len(node.ids), node.slots)
+
+    def refused(self, trie: PrefixTrie, parent: TrieNode, ids: list[int], slots: np.ndarray) -> None:
+        """`trie` had no room for `ids` after `parent` (the running requests' prefixes fill its budget): their K/V,
+        in store `slots` that the request computing them frees when it ends, is kept as an evicted node's would
+        be, so that a later request loads it instead of computing it again."""
+        if len(ids) >= self.min_tokens:
+            self._keep(lambda: (*trie.path_ids(parent), *ids), len(ids), slots)
 
     def inserted(self, trie: PrefixTrie, node: TrieNode) -> None:
         """The trie stored `node`: a long one is written to disk."""
@@ -128,15 +116,40 @@ class CacheTiers:
             return
         try:
             ids = np.asarray(trie.path_ids(node), dtype=np.int32)
-            self._write_through(ids, len(ids) - len(node.ids), node)
+            self._write_through(ids, len(ids) - len(node.ids), node.slots)
         except Exception as e:  # noqa: BLE001 - a cache file not written is no error
             self._warn(e)
 
-    def _write_through(self, ids: np.ndarray, start: int, node: TrieNode) -> None:
-        """`node` (tokens [start, len(ids)) of `ids`) to disk, unless the disk tier has it or will not take it."""
-        start_key = prefix_key(ids[:start])
-        if self.disk is not None and self.disk.wants(start_key, prefix_key(ids), node.nbytes):
-            self.disk.write(self._down(ids, start, node.slots), start_key)
+    def _keep(self, path_ids: Callable[[], tuple[int, ...]], tokens: int, slots: np.ndarray) -> None:
+        """The K/V of the last `tokens` of the sequence `path_ids()` (from the root), in store `slots`, to the host
+        tier (what it lets go to disk), else to disk. Never raises (a warning, once)."""
+        try:
+            ids = np.asarray(path_ids(), dtype=np.int32)
+            start = len(ids) - tokens
+            if self.host is None:
+                self._write_through(ids, start, slots)
+                return
+            if self.host.covering(ids, start) is not None:
+                return
+            into = None
+            if self.host.arena is not None:
+                into = self.host.reserve(self._shape(tokens), self.store.dtype, self._to_disk)
+                if into is None:  # (larger than the host tier: the K/V goes to disk, as without one)
+                    self._write_through(ids, start, slots)
+                    return
+            seg = self._down(ids, start, slots, into)
+            self.bytes_to_host += seg.nbytes
+            for dropped in self.host.put(seg):
+                self._to_disk(dropped)
+        except Exception as e:  # noqa: BLE001 - the trie goes on; the tokens are computed later
+            self._warn(e)
+
+    def _write_through(self, ids: np.ndarray, start: int, slots: np.ndarray) -> None:
+        """Tokens [start, len(ids)) of `ids`, their K/V in store `slots`, to disk, unless the disk tier has them
+        or will not take them."""
+        start_key, nbytes = prefix_key(ids[:start]), len(slots) * self.store.bytes_per_token
+        if self.disk is not None and self.disk.wants(start_key, prefix_key(ids), nbytes):
+            self.disk.write(self._down(ids, start, slots), start_key)
 
     def _to_disk(self, seg: Segment) -> None:
         """A segment the host tier let go (one of `min_tokens` or more, as every segment it holds) to disk."""

@@ -5,6 +5,7 @@ on a tiny model: greedy float32 answers identical with the tiers on and off, aft
 memory and disk, after damaged or foreign files (with a warning), and in a new process."""
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -376,6 +377,32 @@ async def test_exact_through_host_round_trips(model, tokenizer, reference, tmp_p
     assert 0 < s.host_bytes_in_use <= 16 * 10**6
     # the calls' own tails (a question: a few tokens each) were evicted too, and are in no tier
     assert all(seg.tokens >= MIN_TOKENS for seg in b.tiers.host)
+
+
+async def test_a_prefix_the_trie_has_no_room_for_goes_down_a_tier(model, tokenizer):
+    """Two calls at once on two prefixes, a trie that holds one of them: the prefix it has no room for (the other
+    is pinned by its running call) goes to the host tier, and a later call on it loads it from there."""
+    calls, later = [(0, "what is one?"), (1, "what is two?")], (1, "what is three?")
+    expected = await run(backend(model, tokenizer, cache_budget=0), [*calls, later])
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB")
+    q = lmq.Query(QUERY, model=b)
+    first = await asyncio.gather(*(q.run({"shots": shots(s), "question": t}) for s, t in calls))
+    assert [r.prompt for r in first] == expected[:2]
+    s = b.stats()
+    assert s.evictions == 0 and s.bytes_to_host >= PREFIX  # refused, not evicted
+    assert await run(b, [later]) == expected[2:]
+    s = b.stats()
+    assert s.host_hits == 1 and s.tokens_from_host >= PREFIX // PER_TOKEN - 10
+    b.tiers.host.check()
+
+
+async def test_without_a_host_tier_a_prefix_the_trie_has_no_room_for_is_written_to_disk(model, tokenizer, tmp_path):
+    calls = [(0, "what is one?"), (1, "what is two?")]
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=0, disk_cache=tmp_path)
+    q = lmq.Query(QUERY, model=b)
+    await asyncio.gather(*(q.run({"shots": shots(s), "question": t}) for s, t in calls))
+    b.close()  # (the files written)
+    assert b.stats().evictions == 0 and len(files(tmp_path)) == 2  # the one the trie kept, the one it refused
 
 
 async def test_a_failing_tier_is_a_miss_with_a_warning(model, tokenizer, reference, tmp_path, monkeypatch):
