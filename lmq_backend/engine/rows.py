@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 import torch
@@ -87,6 +88,9 @@ class Row:
         return None if picks is None else picks(ahead, self.index)
 
 
+_LIVE, _PENDING = attrgetter("live"), attrgetter("pending")
+
+
 class Batch:
     """The running rows by slot over the pool's rows (`rows[i].slot == i`). A row that leaves is marked (`live`
     False); its slot is freed at once where no live row follows it (`free_tail`), else by `compact`, which
@@ -98,11 +102,11 @@ class Batch:
 
     def live(self) -> int:
         """The rows that have not left."""
-        return sum(row.live for row in self.rows)
+        return sum(map(_LIVE, self.rows))
 
     def pending(self) -> int:
         """The rows with a decode to run."""
-        return sum(row.pending is not None for row in self.rows)
+        return len(self.rows) - list(map(_PENDING, self.rows)).count(None)
 
     def join(self, rows: list[Row]) -> None:
         """New rows, at the slots the pool gave them (the runner may give them in another order)."""
