@@ -441,7 +441,7 @@ class Scheduler:
         tokens: list[int] = []
         ahead: list[int | Draw | None] = []
         # the logits go to the host only for a row the device may not pick for (or may redo: Checked) or returns them
-        want, live = False, 0
+        want, draws, live = False, False, 0
         for w in work:
             if w is None:  # (-1: any, the token of a step run ahead)
                 tokens.append(-1)
@@ -453,6 +453,7 @@ class Scheduler:
             live += 1
             if a.__class__ is not int or w.then is None:
                 want = True
+                draws = draws or isinstance(a, Draw)
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
@@ -462,7 +463,8 @@ class Scheduler:
             row.pending = None
         try:
             await self._device_done()
-            drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
+            drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead]) \
+                if draws else {}
             self._report("decode", live, live, cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
             _fail([w.future for w in work if w is not None], e)  # (off the rows: `_fail_all` would not reach them)
