@@ -10,6 +10,8 @@ Timers around the runner's model calls (`ModelRunner.decode`, `.prefill`, `.samp
 divided by N, is the host's work a query: the interpreter, tokenizing the new tail, the trie, admission, the
 steps' bookkeeping, the hole loop's checks and plans, results. The cyclic collector's time in the round
 (`gc.callbacks`) is shown apart (counted wherever it ran: mostly inside the rest, some inside the model's calls).
+The same share in the main thread's CPU time (`time.thread_time`, the round's less the model calls') is shown too:
+on a machine other processes share, it moves far less than the wall-clock time, which counts the waits for a core.
 
     python benchmarks/bench_host.py [--n 256 1024] [--rounds 3] [--where 'STOPS_AT(S, "x")'] [--sample]
 
@@ -41,18 +43,20 @@ SPENT: Counter = Counter()
 
 
 def timed(cls, name: str, key: str) -> None:
-    """Add the seconds `cls.name` takes to SPENT[key] (calls nested in another timed one count once)."""
+    """Add the seconds `cls.name` takes to SPENT[key], the main thread's CPU seconds in it to SPENT[f"{key} cpu"]
+    (calls nested in another timed one count once)."""
     f = getattr(cls, name)
 
     def wrapper(*args, **kwargs):
         if SPENT["depth"]:
             return f(*args, **kwargs)
         SPENT["depth"] += 1
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         try:
             return f(*args, **kwargs)
         finally:
             SPENT[key] += time.perf_counter() - t
+            SPENT[key + " cpu"] += time.thread_time() - cpu
             SPENT["depth"] -= 1
     setattr(cls, name, wrapper)
 
@@ -100,8 +104,8 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}; {'sampled' if args.sample else 'greedy'}"
           f"{', where ' + args.where if args.where else ''}; medians of {args.rounds} rounds")
-    print("| N | round | model | host a query | of which the collector |")
-    print("|---|---|---|---|---|")
+    print("| N | round | model | host a query | of which the collector | host CPU a query (main thread) |")
+    print("|---|---|---|---|---|---|")
     start = 0
     for n in args.n:
         calls = BC.workload_calls(args.workload, (args.rounds + 1) * n, start)
@@ -110,10 +114,13 @@ def main() -> None:
         rounds = []
         for r in range(1, args.rounds + 1):
             SPENT.clear()
+            cpu = time.thread_time()
             seconds = asyncio.run(BC.run_n(queries, calls[r * n:(r + 1) * n]))
-            rounds.append((seconds, SPENT["model"], (seconds - SPENT["model"]) / n, SPENT["gc"] / n))
-        total, model, host, collector = (statistics.median(x) for x in zip(*rounds))
-        print(f"| {n} | {total:.3f} s | {model:.3f} s | {host * 1e6:.0f} us | {collector * 1e6:.0f} us |")
+            cpu = time.thread_time() - cpu - SPENT["model cpu"]
+            rounds.append((seconds, SPENT["model"], (seconds - SPENT["model"]) / n, SPENT["gc"] / n, cpu / n))
+        total, model, host, collector, host_cpu = (statistics.median(x) for x in zip(*rounds))
+        print(f"| {n} | {total:.3f} s | {model:.3f} s | {host * 1e6:.0f} us | {collector * 1e6:.0f} us | "
+              f"{host_cpu * 1e6:.0f} us |")
 
 
 if __name__ == "__main__":

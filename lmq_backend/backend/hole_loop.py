@@ -32,7 +32,7 @@ ahead moves each row to its next mask as this loop will.
 A free greedy hole (no constraint on its text: only a token limit, max_len and stop rules end it; greedy without
 knobs, not streamed) plans the same pick before every token: its decode steps are continued by `FreeHoles`, one
 loop over the step's rows of such holes (the scheduler's `group`), which takes each row's pick from the step's
-greedy picks, ends the holes that end and hands the others' next tokens back. A hole whose state watches no text
+greedy picks, ends the holes that end and sets the others' next tokens on their rows' decodes. A hole whose state watches no text
 (no stop rule) gives its state the tokens only when it leaves that loop (`HoleState.extend`, `_caught_up`).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..engine.picks import Checked, Draw, Greedy, Sampler, Sampling, sample
+from ..engine.rows import Decode
 from ..errors import LMQRuntimeError
 from .protocol import HoleState, Sequence
 
@@ -226,31 +227,43 @@ class FreeHoles:
         """`extendable`: bool [V], the tokens that may extend a value (`PickMasks.extendable`)."""
         self.extendable = bytes(extendable.astype("uint8"))  # (a bytes index: an int, far cheaper than numpy's)
 
-    def __call__(self, logits: torch.Tensor | None, picks, members: list[tuple[int, HoleLoop]]) -> list:
+    def __call__(self, logits: torch.Tensor | None, picks, members: list[tuple[int, Decode]]) -> list:
         if picks is None:  # the step made no greedy picks: each row's own pick from the logits
-            return [_fed(hole, logits, i) for i, hole in members]
-        extendable, out = self.extendable, []
-        for i, hole in members:
+            return _fed(logits, members)
+        extendable, ended = self.extendable, []
+        for i, w in members:
+            hole = w.then
             hole.decoded += 1
-            token = picks(hole.ahead, i)
+            token = picks(w.ahead, i)  # (the row's ahead is its hole's, which never changes)
             if not extendable[token]:  # (EOS) ends the hole
-                out.append(None)
+                ended.append((i, w, None))
                 continue
             generated = hole.generated
             generated.append(token)
             if hole._watches:
                 hole._taken += 1
-                stop = hole.stop = hole.state.advance(token)
-                if stop is not None:
-                    out.append(None)
+                if (stop := hole.state.advance(token)) is not None:
+                    hole.stop = stop
+                    ended.append((i, w, None))
                     continue
-            out.append(None if len(generated) >= hole._room else (token, hole.ahead))
-        return out
+            if len(generated) >= hole._room:
+                ended.append((i, w, None))
+            else:
+                w.token = token
+        return ended
 
 
-def _fed(hole: HoleLoop, logits: torch.Tensor | None, i: int):
-    """`hole.feed(logits, i)`, or the exception it raised."""
-    try:
-        return hole.feed(logits, i)
-    except Exception as e:  # noqa: BLE001 - the failure belongs to that hole's query alone
-        return e
+def _fed(logits: torch.Tensor | None, members: list[tuple[int, Decode]]) -> list:
+    """Each row's hole fed alone (`HoleLoop.feed`), as `FreeHoles` continues them: the rows that end."""
+    ended = []
+    for i, w in members:
+        try:
+            step = w.then.feed(logits, i)
+        except Exception as e:  # noqa: BLE001 - the failure belongs to that hole's query alone
+            ended.append((i, w, e))
+            continue
+        if step is None:
+            ended.append((i, w, None))
+        else:
+            w.token, w.ahead = step
+    return ended

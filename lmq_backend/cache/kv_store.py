@@ -142,7 +142,7 @@ class KVStore:
         top = self._n_free
         slots = self._free[top - n:top][::-1].copy()
         self._n_free = top - n
-        self.owner[slots] = ROW
+        self.owner.put(slots, ROW)
         self.peak_used = max(self.peak_used, self.used_slots)
         if self._ahead is not None:
             self._ahead.reach(int(slots[-1]) + 1)  # (ascending)
@@ -159,7 +159,8 @@ class KVStore:
     def free_rows(self, slots: np.ndarray) -> int:
         """Free those of `slots` that a row owns (a row's table also points at trie and zero slots);
         returns how many."""
-        mine = np.sort(slots[self.owner[slots] == ROW])
+        mine = slots[self.owner.take(slots) == ROW]
+        mine.sort()
         if len(mine):
             self._push(mine)
         return len(mine)
@@ -167,15 +168,15 @@ class KVStore:
     def _push(self, ascending: np.ndarray) -> None:
         """Owned slots, sorted, back on the free list (lowest on top)."""
         assert (ascending[1:] != ascending[:-1]).all(), "a slot freed twice at once"
-        self.owner[ascending] = FREE
+        self.owner.put(ascending, FREE)
         top = self._n_free
         self._free[top:top + len(ascending)] = ascending[::-1]
         self._n_free = top + len(ascending)
 
     def take(self, slots: np.ndarray) -> None:
         """ROW -> TRIE: a finished segment's slots now belong to a trie node."""
-        assert (self.owner[slots] == ROW).all(), "the trie can only take a row's own slots"
-        self.owner[slots] = TRIE
+        assert _all_are(self.owner.take(slots), ROW), "the trie can only take a row's own slots"
+        self.owner.put(slots, TRIE)
 
     # ----- K/V ------------------------------------------------------------------------------------------
 
@@ -207,3 +208,9 @@ class KVStore:
                 assert not own & seen, "two rows own one slot"
                 seen |= own
             assert len(seen) == (self.owner == ROW).sum(), "a ROW slot belongs to no running row"
+
+
+def _all_are(owners: np.ndarray, who: int) -> bool:
+    """Is every entry of `owners` (int8, a few slots') `who`? (Counted over its bytes: a reduction's call costs
+    more than the count at a segment's size.)"""
+    return owners.tobytes().count(who) == len(owners)

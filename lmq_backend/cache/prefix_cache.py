@@ -176,8 +176,5 @@ class PrefixCache:
 
     def move(self, pin: Pin, node: TrieNode | None) -> None:
         """Move the pin to `node` (None: drop it), locking the new node before unlocking the old."""
-        if node is not None:
-            self.trie.pin(node)
-        if pin.node is not None:
-            self.trie.unpin(pin.node)
+        self.trie.move_pin(pin.node, node)
         pin.node = node

@@ -114,10 +114,10 @@ class PrefixTrie:
             n = n.parent
 
     def _attached(self, node: TrieNode) -> bool:
+        """Is `node` a live node of this trie? Its parents lead to this root: an evicted node is detached
+        (`parent` None), and only leaves are evicted, so no live node hangs below an evicted one."""
         n = node
         while n.parent is not None:
-            if n.parent.children.get(n.ids[0]) is not n:
-                return False
             n = n.parent
         return n is self.root
 
@@ -211,35 +211,65 @@ class PrefixTrie:
 
         rest = slots[i:].astype(np.int32)
         need = len(rest) * self.bytes_per_token
-        self.pin(node)  # protect the path we extend while evicting
-        try:
-            if self.bytes_in_use + need > self.budget_bytes:
+        if self.bytes_in_use + need > self.budget_bytes:
+            self.pin(node)  # protect the path we extend while evicting
+            try:
                 if self.bytes_in_use - self.evictable_bytes() + need > self.budget_bytes:
                     return None  # can't fit even after evicting every unpinned node: evict nothing
                 self.evict(self.bytes_in_use + need - self.budget_bytes)
                 assert self.bytes_in_use + need <= self.budget_bytes
-            if self.store is not None:
-                self.store.take(rest)
-            new = TrieNode(ids=ids[i:], slots=rest, parent=node, children={},
-                           depth=node.depth + len(ids) - i, label=label, bytes_per_token=self.bytes_per_token)
-            node.children[new.ids[0]] = new
-            self.bytes_in_use += need
-            self._n_nodes += 1
-        finally:
-            self.unpin(node)
+            finally:
+                self.unpin(node)
+        if self.store is not None:
+            self.store.take(rest)
+        new = TrieNode(ids=ids[i:], slots=rest, parent=node, children={},
+                       depth=node.depth + len(ids) - i, label=label, bytes_per_token=self.bytes_per_token)
+        node.children[new.ids[0]] = new
+        self.bytes_in_use += need
+        self._n_nodes += 1
         self._touch(new, t)
         return new
 
     def pin(self, node: TrieNode) -> None:
         """lock += 1 on node and every ancestor, root included; node.pins += 1."""
-        assert self._attached(node), "pin: node is not a live node of this trie"
+        self._lock_path(node, None)
         node.pins += 1
+
+    def move_pin(self, old: TrieNode | None, new: TrieNode | None) -> None:
+        """`pin(new)` then `unpin(old)` (either None: none), walking only the path between them where `old` is an
+        ancestor of `new` (a pin following what its request computed) or the same node."""
+        if old is new:
+            assert old is None or self._attached(old), "pin: node is not a live node of this trie"
+            return
+        if new is not None:
+            met = self._lock_path(new, old if old is not None and old.pins > 0 else None)
+            new.pins += 1
+            if met:  # old's lock is unchanged: a pin of its own became one below it
+                old.pins -= 1
+                return
+        if old is not None:
+            self.unpin(old)
+
+    def _lock_path(self, node: TrieNode, stop: TrieNode | None) -> bool:
+        """lock += 1 from `node` up to `stop` (excluded; None: through the root). True if the walk met `stop`; else
+        it went through the root (asserting that `node` is a live node of this trie)."""
         n: TrieNode | None = node
         while n is not None:
+            if n is stop:
+                return True
             if n.lock == 0 and n.slots is not None:
                 self._locked_bytes += n.nbytes
             n.lock += 1
-            n = n.parent
+            last, n = n, n.parent
+        if last is not self.root:  # a detached (evicted) node, or another trie's: undo
+            n = node
+            while n is not None:
+                n.lock -= 1
+                if n.lock == 0 and n.slots is not None:
+                    self._locked_bytes -= n.nbytes
+                n = n.parent
+            raise AssertionError("pin: node is not a live node of this trie")
+        return False
 
     def unpin(self, node: TrieNode) -> None:
         """Reverse of pin; the node must hold a pin of its own."""

@@ -90,7 +90,11 @@ def select(ready: list[Waiting], seats: int, room: int, running: bool, max_token
         # a chosen request whose new tokens start the same way (the same first new token at the same cached
         # length: a dict lookup, then the exact check against those few)
         key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
-        shares = any(shares_new_prefix(w, c) for c in starts.get(key, ()))
+        shares = False
+        for c in starts.get(key, ()):
+            if shares_new_prefix(w, c):
+                shares = True
+                break
         most = min(max_tokens, (running and max_part) or max_tokens, w.most or max_tokens)
         part = most if len(w.row.ids) > most else None  # a long prompt: its next part, alone
         if shares or (chosen and (part is not None or tokens + len(w.row.ids) > max_tokens
@@ -144,4 +148,10 @@ def shares_new_prefix(w: Waiting, chosen: Waiting) -> bool:
     cached = max(w.row.cached, chosen.row.cached)
     k = min(cached + SHARED_PREFIX_MIN, len(ids) - 1, len(other))
     # the new part first: a few tokens, where requests sharing a long cached prefix differ
-    return k > cached and ids[cached:k] == other[cached:k] and ids[:cached] == other[:cached]
+    if k <= cached or ids[cached:k] != other[cached:k]:
+        return False
+    # the cached part: the same where both pins hold the same trie node that long (a node is one prefix)
+    node = w.request.pin.node
+    if node is not None and node is chosen.request.pin.node and node.depth == cached:
+        return True
+    return ids[:cached] == other[:cached]

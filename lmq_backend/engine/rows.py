@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 import torch
@@ -19,9 +20,10 @@ from .picks import Choices, Draw
 Continuation = Callable[[torch.Tensor | None, int], tuple | None]
 # The continuations of many rows at once: called inside a decode step with the step's logits (None: kept on the
 # device), its greedy picks (`picks(k, i)`, `ModelRunner.picks`; None: the step made none) and the rows that gave
-# it, as (index in the logits, `then`) pairs; returns, row by row, what that row's `then(logits, i)` would: the
-# next (token, ahead), or None, or the exception it would raise
-ContinuationGroup = Callable[[torch.Tensor | None, Callable | None, list[tuple[int, Continuation]]], list]
+# it, as (index in the logits, `Decode`) pairs. Each row goes on as its `then(logits, i)` would say: where that
+# gives the next (token, ahead), the group sets them on the row's `Decode` (the row takes part in the next step);
+# it returns the rows that do not go on, as (index, `Decode`, None: its caller wakes | the exception it raised)
+ContinuationGroup = Callable[[torch.Tensor | None, Callable | None, list[tuple[int, "Decode"]]], list]
 
 
 @dataclass(slots=True, eq=False)
@@ -69,9 +71,10 @@ class Row:
     slot: int
     joined: int = 0       # order of joining the batch: the latest rows are preempted first
     live: bool = True
-    # After a prefill, or a fused decode step on the GPU: (picks, i) with picks(k, i) the greedy pick of the
-    # row's logits under the runner's greedy mask k, made on the device (`ModelRunner.set_greedy_masks`).
-    device_picks: tuple | None = None
+    # After a prefill or a decode step: the step's greedy picks `picks(k, i)` (the pick of its logits' row i under
+    # the runner's greedy mask k, `ModelRunner.set_greedy_masks`; None: it made none) and the row's `index` i.
+    picks: Callable[[int, int], int] | None = None
+    index: int = 0
     drawn: int | None = None  # after a step: its sample of the row's draw (see `device_pick`)
     chosen: tuple | None = None  # after a prefill: the choices its request asked for (`picks.choose`)
     pending: Decode | None = None  # the decode its query asked for, until a step runs it
@@ -81,10 +84,11 @@ class Row:
         (an int), or the sample of the row's draw (a `Draw`, the one the row gave the step)."""
         if isinstance(ahead, Draw):
             return self.drawn
-        if self.device_picks is None:
-            return None
-        picks, i = self.device_picks
-        return picks(ahead, i)
+        picks = self.picks
+        return None if picks is None else picks(ahead, self.index)
+
+
+_LIVE, _PENDING = attrgetter("live"), attrgetter("pending")
 
 
 class Batch:
@@ -98,11 +102,11 @@ class Batch:
 
     def live(self) -> int:
         """The rows that have not left."""
-        return sum(row.live for row in self.rows)
+        return sum(map(_LIVE, self.rows))
 
     def pending(self) -> int:
         """The rows with a decode to run."""
-        return sum(row.pending is not None for row in self.rows)
+        return len(self.rows) - list(map(_PENDING, self.rows)).count(None)
 
     def join(self, rows: list[Row]) -> None:
         """New rows, at the slots the pool gave them (the runner may give them in another order)."""

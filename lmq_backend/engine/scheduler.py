@@ -405,8 +405,8 @@ class Scheduler:
             _fail([w.future for w in batch], e)
             return
         picks = self.runner.picks
-        rows = [Row(slot=slot, joined=self._joined + i, device_picks=None if picks is None else (picks, i),
-                    drawn=drawn.get(i), chosen=chosen.get(i)) for i, slot in enumerate(slots)]
+        rows = [Row(slot=slot, joined=self._joined + i, picks=picks, index=i, drawn=drawn.get(i),
+                    chosen=chosen.get(i)) for i, slot in enumerate(slots)]
         self._joined += len(rows)
         self.batch.join(rows)
         for w, row, row_logits in zip(batch, rows, logits):
@@ -438,10 +438,22 @@ class Scheduler:
             return
         started = time.perf_counter()
         work = [row.pending for row in rows]  # None: a row that left (still in the batch: see `_schedule`)
-        tokens = [-1 if w is None else w.token for w in work]  # (-1: any, the token of a step run ahead)
-        ahead = [0 if w is None else w.ahead for w in work]
+        tokens: list[int] = []
+        ahead: list[int | Draw | None] = []
         # the logits go to the host only for a row the device may not pick for (or may redo: Checked) or returns them
-        want = any(w.ahead.__class__ is not int or w.then is None for w in work if w is not None)
+        want, draws, live = False, False, 0
+        for w in work:
+            if w is None:  # (-1: any, the token of a step run ahead)
+                tokens.append(-1)
+                ahead.append(0)
+                continue
+            a = w.ahead
+            tokens.append(w.token)
+            ahead.append(a)
+            live += 1
+            if a.__class__ is not int or w.then is None:
+                want = True
+                draws = draws or isinstance(a, Draw)
         self.pool.reserve(AHEAD)
         logits = self._decode(slice(0, len(rows)), tokens, ahead, want)
         picks = self.runner.picks
@@ -451,22 +463,24 @@ class Scheduler:
             row.pending = None
         try:
             await self._device_done()
-            drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead])
-            live = sum(w is not None for w in work)
+            drawn = per_row(self.runner.sample, logits, [a if isinstance(a, Draw) else None for a in ahead]) \
+                if draws else {}
             self._report("decode", live, live, cached, started)
         except Exception as e:  # noqa: BLE001 - (an on_step callback, a device error) the step's queries fail
             _fail([w.future for w in work if w is not None], e)  # (off the rows: `_fail_all` would not reach them)
             return
         groups: dict[ContinuationGroup, list[tuple[int, Decode]]] = {}
         for i, (row, w) in enumerate(zip(rows, work)):
-            row.device_picks, row.drawn = None if picks is None else (picks, i), drawn.get(i)
+            row.picks, row.index, row.drawn = picks, i, drawn.get(i) if drawn else None
             if w is None or w.future.done():  # (a row that left) cancelled
                 continue
-            if w.group is not None:  # continued with the other rows of its group, below
-                members = groups.get(w.group)
+            group = w.group
+            if group is not None:  # continued with the other rows of its group, below (going on, unless it says)
+                members = groups.get(group)
                 if members is None:
-                    members = groups[w.group] = []
+                    members = groups[group] = []
                 members.append((i, w))
+                row.pending = w
                 continue
             if w.then is not None:
                 try:
@@ -481,17 +495,15 @@ class Scheduler:
             w.future.set_result(None if logits is None else logits[i])
         for group, members in groups.items():
             try:
-                steps = group(logits, picks, [(i, w.then) for i, w in members])
+                ended = group(logits, picks, members)
             except Exception as e:  # noqa: BLE001 - the failure belongs to that group's queries alone
-                steps = [e] * len(members)
-            for (i, w), step in zip(members, steps):
-                if step is None:
+                ended = [(i, w, e) for i, w in members]
+            for i, w, error in ended:
+                rows[i].pending = None
+                if error is None:
                     w.future.set_result(None if logits is None else logits[i])
-                elif isinstance(step, Exception):
-                    w.future.set_exception(step)
-                else:  # the row goes on in the next step, its caller still waiting
-                    w.token, w.ahead = step
-                    rows[i].pending = w
+                else:
+                    w.future.set_exception(error)
 
     def _decode(self, rows: slice, tokens: list[int], ahead: list[int | Draw | None] | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:

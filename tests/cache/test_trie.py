@@ -199,6 +199,28 @@ def test_split_preserves_pins():
     t.check()
 
 
+def test_move_pin_walks_between_and_checks():
+    t = PrefixTrie(100 * TOK, TOK)
+    a = ins(t, t.root, [1, 2])
+    b = ins(t, a, [3])
+    c = ins(t, t.root, [4])
+    t.pin(a)
+    t.move_pin(a, b)  # down the path: a's own pin becomes b's
+    assert (a.pins, a.lock, b.pins, b.lock, t.root.lock) == (0, 1, 1, 1, 1)
+    t.move_pin(b, c)  # to another path
+    assert (a.lock, b.lock, c.pins, c.lock, t.root.lock) == (0, 0, 1, 1, 1)
+    t.move_pin(c, c)
+    assert (c.pins, c.lock) == (1, 1)
+    t.check()
+    t.move_pin(c, None)
+    assert t.pinned_nodes() == 0
+    t.evict(10**9)
+    with pytest.raises(AssertionError):  # an evicted node: nothing locked
+        t.move_pin(None, b)
+    assert t.pinned_nodes() == 0
+    t.check()
+
+
 def test_unpin_requires_own_pin():
     t = PrefixTrie(100 * TOK, TOK)
     a = ins(t, t.root, [1, 2])

@@ -103,6 +103,22 @@ class Harness:
             node, _ = self.pins.pop(self.rng.randrange(len(self.pins)))
             self.t.unpin(node)
 
+    def op_move_pin(self):
+        """A request's pin follows its prefix (`move_pin`): to a match of ids that often extend its own (a node
+        below it), the same node, or another path; the locks must be those of pinning the new and unpinning the
+        old."""
+        t = self.t
+        if not self.pins:
+            return
+        k = self.rng.randrange(len(self.pins))
+        old, old_ids = self.pins[k]
+        r = self.rng.random()
+        ids = old_ids + tuple(self.rng.randint(0, 3) for _ in range(self.rng.randint(0, 4))) if r < 0.6 else \
+            old_ids if r < 0.7 else self.rand_seq()
+        new, n = self.verify_match(ids)
+        t.move_pin(old, new)
+        self.pins[k] = (new, tuple(ids[:n]))
+
     def op_evict(self):
         before = self.t.bytes_in_use
         want = self.rng.randint(0, self.t.budget_bytes)
@@ -133,7 +149,7 @@ class Harness:
 
     def step(self):
         ops = [self.op_match, self.op_insert, self.op_insert, self.op_insert_stale_overlap,
-               self.op_unpin, self.op_evict]
+               self.op_unpin, self.op_evict, self.op_move_pin]
         self.rng.choice(ops)()
         self.invariants()
 
@@ -176,6 +192,11 @@ class TrieMachine(RuleBasedStateMachine):
     @rule()
     def unpin(self):
         self.h.op_unpin()
+
+    @precondition(lambda self: self.h is not None)
+    @rule()
+    def move_pin(self):
+        self.h.op_move_pin()
 
     @precondition(lambda self: self.h is not None)
     @rule()

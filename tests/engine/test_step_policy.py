@@ -11,13 +11,18 @@ from __future__ import annotations
 import asyncio
 import types
 
+import numpy as np
 import pytest
 
 import lmq_backend as lmq
+from lmq_backend.cache.prefix_cache import Pin
+from lmq_backend.cache.trie import PrefixTrie
 from lmq_backend.engine import admission
 from lmq_backend.engine import scheduler as scheduler_module
 from lmq_backend.engine.admission import JOIN_SHARE, PATIENCE
 from lmq_backend.engine.fused import bucket_for
+from lmq_backend.engine.rows import PrefillRequest
+from lmq_backend.engine.runner import PrefillRow
 from support.caches import node_slots
 
 BUSY = '"Count to many:[A]" where len(TOKENS(A)) < 90'
@@ -122,3 +127,23 @@ async def test_rows_that_left_stay_while_a_step_runs_ahead(make_backend, monkeyp
     s = backend.scheduler
     assert s.pool.rows == 0 and not s.rows and backend.trie.pinned_nodes() == 0
     backend.store.check(node_slots(backend.trie), [])
+
+
+def _waiting(ids: list[int], cached: int, node=None) -> admission.Waiting:
+    """A looked-up request: `cached` of its ids found (its pin on `node`), the rest to prefill."""
+    w = admission.Waiting(PrefillRequest(Pin(node), ids, len(ids)), future=None)
+    w.row = PrefillRow(np.zeros(cached, dtype=np.int32), cached, ids[cached:])
+    return w
+
+
+def test_shares_new_prefix_by_pin_and_by_ids():
+    """A request shares a chosen one's new prefix where their new tokens start alike (SHARED_PREFIX_MIN of them)
+    after the same cached prefix: the same trie node both pin, or the same ids."""
+    trie = PrefixTrie(10**6)
+    node = trie.insert(trie.root, [1, 2, 3, 4], np.arange(4))
+    new = [9] * (admission.SHARED_PREFIX_MIN + 4)
+    chosen = _waiting([1, 2, 3, 4, *new], 4, node)
+    assert admission.shares_new_prefix(_waiting([1, 2, 3, 4, *new], 4, node), chosen)  # the same node
+    assert admission.shares_new_prefix(_waiting([1, 2, 3, 4, *new], 4), chosen)  # no pin: the same ids
+    assert not admission.shares_new_prefix(_waiting([5, 6, 7, 8, *new], 4), chosen)  # another cached prefix
+    assert not admission.shares_new_prefix(_waiting([1, 2, 3, 4, 8, *new], 4, node), chosen)  # other new tokens
