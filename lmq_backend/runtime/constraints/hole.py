@@ -32,7 +32,7 @@ What the backend calls, per token of the value (`HFBackend.generate`):
 from __future__ import annotations
 
 from itertools import accumulate, islice
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -145,8 +145,7 @@ class HoleState:
             return stop
         special = hc._special
         if tokens and (min(tokens) < 0 or max(tokens) >= len(special) or any(map(special.__getitem__, tokens))):
-            bad = next(t for t in tokens if not 0 <= t < len(special) or special[t])
-            raise LMQRuntimeError(f"token {bad} cannot be part of a value (special or out of range)")
+            _not_a_value(next(t for t in tokens if not 0 <= t < len(special) or special[t]))
         pieces = list(map(hc.vocab.token_bytes.__getitem__, tokens))
         value = ctx.value
         ctx.ends.extend(islice(accumulate(map(len, pieces), initial=len(value)), 1, None))
@@ -164,7 +163,7 @@ class HoleState:
         hc = self.hc
         special = hc._special
         if not 0 <= token_id < len(special) or special[token_id]:
-            raise LMQRuntimeError(f"token {token_id} cannot be part of a value (special or out of range)")
+            _not_a_value(token_id)
         ctx = self.ctx
         value = ctx.value  # a bytearray: += below extends ctx.value itself
         old_len = len(value)
@@ -199,3 +198,7 @@ class HoleState:
         start = self.ctx.ends[keep - 1] if keep else 0
         return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep,
                     tail=bytes(value[start:end]).decode("utf-8", errors="replace"))
+
+
+def _not_a_value(token: int) -> NoReturn:
+    raise LMQRuntimeError(f"token {token} cannot be part of a value (special or out of range)")
