@@ -262,12 +262,7 @@ class PrefixTrie:
             n.lock += 1
             last, n = n, n.parent
         if last is not self.root:  # a detached (evicted) node, or another trie's: undo
-            n = node
-            while n is not None:
-                n.lock -= 1
-                if n.lock == 0 and n.slots is not None:
-                    self._locked_bytes -= n.nbytes
-                n = n.parent
+            self._unlock_path(node)
             raise AssertionError("pin: node is not a live node of this trie")
         return False
 
@@ -275,6 +270,10 @@ class PrefixTrie:
         """Reverse of pin; the node must hold a pin of its own."""
         assert node.pins > 0, "unpin: node has no pin of its own"
         node.pins -= 1
+        self._unlock_path(node)
+
+    def _unlock_path(self, node: TrieNode) -> None:
+        """lock -= 1 from `node` through its last ancestor (what `_lock_path(node, None)` added)."""
         n: TrieNode | None = node
         while n is not None:
             n.lock -= 1
