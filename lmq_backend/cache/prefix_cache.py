@@ -149,7 +149,7 @@ class PrefixCache:
         node = self.trie.insert(pin.node, ids, slots)
         if node is None:
             if self.tiers is not None:  # cache tiers: what the trie has no room for goes down as if evicted
-                self.tiers.refused(self.trie, pin.node, list(ids), slots)
+                self.tiers.refused(self.trie, pin.node, ids, slots)
             return False
         self.move(pin, node)
         if self.tiers is not None:  # cache tiers: a long new node is written to disk

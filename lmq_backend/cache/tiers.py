@@ -40,7 +40,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -103,7 +103,7 @@ class CacheTiers:
         if len(node.ids) >= self.min_tokens:
             self._keep(lambda: trie.path_ids(node), len(node.ids), node.slots)
 
-    def refused(self, trie: PrefixTrie, parent: TrieNode, ids: list[int], slots: np.ndarray) -> None:
+    def refused(self, trie: PrefixTrie, parent: TrieNode, ids: Sequence[int], slots: np.ndarray) -> None:
         """`trie` had no room for `ids` after `parent` (the running requests' prefixes fill its budget): their K/V,
         in store `slots` that the request computing them frees when it ends, is kept as an evicted node's would
         be, so that a later request loads it instead of computing it again."""
