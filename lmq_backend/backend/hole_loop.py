@@ -81,9 +81,12 @@ class HoleLoop:
         self.ahead: int | Draw | None = None
         self.planned = self._plan()
         self._taken = 0  # the generated tokens the state has taken (see `_caught_up`)
-        # a free greedy hole: its decode steps are continued by the backend's `FreeHoles`, with the other rows'
+        # a free hole, greedy or sampled without knobs: its decode steps are continued by the backend's
+        # `FreeHoles`, with the other rows'
         self.group: FreeHoles | None = None
-        if self._greedy and getattr(state, "free", False) and seq.on_token is None and type(self.ahead) is int:
+        if getattr(state, "free", False) and seq.on_token is None and (
+                (self._greedy and type(self.ahead) is int)
+                or (type(sampler) is Sampling and not knobs and isinstance(self.ahead, Draw))):
             self.group = backend.free_holes
             self._watches = getattr(state, "watches_text", True) or not hasattr(state, "extend")
             # the tokens the value may hold: max_len (`HFBackend.at_max_len`), and the state's limit where it
@@ -218,23 +221,31 @@ class HoleLoop:
 
 
 class FreeHoles:
-    """The continuation of the decode steps of free greedy holes (`HoleLoop.group`; one a backend): the step's
-    rows of such holes in one loop, each as `HoleLoop.feed` would take it (the pick under its plan's greedy
-    mask, which never changes; a token outside the value ends the hole; the token limit, max_len or a stop rule
-    ends it after the token), without planning again or, for a state that watches no text, advancing it."""
+    """The continuation of the decode steps of free holes (`HoleLoop.group`; one a backend), greedy or sampled
+    without knobs: the step's rows of such holes in one loop, each as `HoleLoop.feed` would take it (the pick
+    under its plan's greedy mask, or the step's sample of its draw, the plan's mask never changing; a token
+    outside the value ends the hole; the token limit, max_len or a stop rule ends it after the token; a sampled
+    row's next draw from its sampler), without planning again or, for a state that watches no text, advancing
+    it."""
 
     def __init__(self, extendable):
         """`extendable`: bool [V], the tokens that may extend a value (`PickMasks.extendable`)."""
         self.extendable = bytes(extendable.astype("uint8"))  # (a bytes index: an int, far cheaper than numpy's)
 
     def __call__(self, logits: torch.Tensor | None, picks, members: list[tuple[int, Decode]]) -> list:
-        if picks is None:  # the step made no greedy picks: each row's own pick from the logits
-            return _fed(logits, members)
-        extendable, ended = self.extendable, []
-        for i, w in members:
+        extendable, ended, fed = self.extendable, [], None
+        for member in members:
+            i, w = member
             hole = w.then
+            ahead = w.ahead
+            if ahead.__class__ is Draw:  # sampled: the step's sample of the draw
+                token = hole.row.drawn
+            else:  # greedy: under the row's mask (its hole's, which never changes)
+                token = None if picks is None else picks(ahead, i)
+            if token is None:  # the step made no pick for the row: its own, from the logits, below
+                fed = [member] if fed is None else fed + [member]
+                continue
             hole.decoded += 1
-            token = picks(w.ahead, i)  # (the row's ahead is its hole's, which never changes)
             if not extendable[token]:  # (EOS) ends the hole
                 ended.append((i, w, None))
                 continue
@@ -250,7 +261,9 @@ class FreeHoles:
                 ended.append((i, w, None))
             else:
                 w.token = token
-        return ended
+                if ahead.__class__ is Draw:
+                    w.ahead = hole.ahead = hole.sampler.draw(hole.pick)
+        return ended if fed is None else ended + _fed(logits, fed)
 
 
 def _fed(logits: torch.Tensor | None, members: list[tuple[int, Decode]]) -> list:
