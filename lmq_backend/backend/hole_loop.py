@@ -29,10 +29,11 @@ what makes the checked pick the constrained one. These sets are device masks (`m
 values that could end where the character began and one for those that could not, so that a GPU step run
 ahead moves each row to its next mask as this loop will.
 
-A free greedy hole (no constraint on its text: only a token limit, max_len and stop rules end it; greedy without
-knobs, not streamed) plans the same pick before every token: its decode steps are continued by `FreeHoles`, one
-loop over the step's rows of such holes (the scheduler's `group`), which takes each row's pick from the step's
-greedy picks, ends the holes that end and sets the others' next tokens on their rows' decodes. A hole whose state watches no text
+A free hole (no constraint on its text: only a token limit, max_len and stop rules end it; greedy or sampled,
+without knobs, not streamed) plans the same pick before every token: its decode steps are continued by
+`FreeHoles`, one loop over the step's rows of such holes (the scheduler's `group`), which takes each row's pick
+from the step's greedy picks or its sample of the row's draw, ends the holes that end and sets the others' next
+tokens (and a sampled row's next draw) on their rows' decodes. A hole whose state watches no text
 (no stop rule) gives its state the tokens only when it leaves that loop (`HoleState.extend`, `_caught_up`).
 """
 from __future__ import annotations
