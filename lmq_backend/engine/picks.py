@@ -85,7 +85,7 @@ class Tokens:
     counts: dict[int, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)  # (not frozen: a frozen dataclass's __init__ costs ~3x, once a pick a sampled row)
 class Draw:
     """One sampled pick, settled before its logits exist: a token of softmax(logits / temperature) over the
     `allowed` tokens (bool [V], None: every token), cut to the smallest set of most probable tokens whose
@@ -93,7 +93,8 @@ class Draw:
     the sampler's own generator). Temperature 0 is the greedy pick. The token depends on the row's logits
     and its draw alone, so a decode step samples all its rows at once (`sample`). `after`: the u of the
     sampler's next draw (a GPU step run ahead samples with it), or None. `knobs`: the logits' adjustment
-    first (`Knobs`), from `tokens` (read at the pick: the sampler adds the pick to them only after it)."""
+    first (`Knobs`), from `tokens` (read at the pick: the sampler adds the pick to them only after it). Never
+    changed once made."""
 
     temperature: float
     top_p: float
