@@ -12,8 +12,10 @@ steps' bookkeeping, the hole loop's checks and plans, results. The cyclic collec
 (`gc.callbacks`) is shown apart (counted wherever it ran: mostly inside the rest, some inside the model's calls).
 The same share in the main thread's CPU time (`time.thread_time`, the round's less the model calls') is shown too:
 on a machine other processes share, it moves far less than the wall-clock time, which counts the waits for a core.
+With `--calls`, one more round under cProfile counts the Python function calls a query (all of them, and those of
+lmq's own modules): a count does not drift with the host's speed, so two trees compare on any machine.
 
-    python benchmarks/bench_host.py [--n 256 1024] [--rounds 3] [--where 'STOPS_AT(S, "x")'] [--sample]
+    python benchmarks/bench_host.py [--n 256 1024] [--rounds 3] [--where 'STOPS_AT(S, "x")'] [--sample] [--calls]
 
 Medians over --rounds timed rounds after a warm-up round of the same N (each round its own texts).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import os
 import platform
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true", help="sample(temperature=0.8) instead of argmax")
     ap.add_argument("--workload", choices=["counter", "varied", "mix"], default="counter",
                     help="bench_concurrency.py's workloads")
+    ap.add_argument("--calls", action="store_true", help="also count the Python calls a query (one more round)")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     backend = tiny_backend()
@@ -104,12 +108,13 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}; {'sampled' if args.sample else 'greedy'}"
           f"{', where ' + args.where if args.where else ''}; medians of {args.rounds} rounds")
-    print("| N | round | model | host a query | of which the collector | host CPU a query (main thread) |")
-    print("|---|---|---|---|---|---|")
+    counted = " Python calls a query | of them lmq's |" if args.calls else ""
+    print(f"| N | round | model | host a query | of which the collector | host CPU a query (main thread) |{counted}")
+    print("|---|---|---|---|---|---|" + "---|---|" * args.calls)
     start = 0
     for n in args.n:
-        calls = BC.workload_calls(args.workload, (args.rounds + 1) * n, start)
-        start += (args.rounds + 1) * n
+        calls = BC.workload_calls(args.workload, (args.rounds + 1 + args.calls) * n, start)
+        start += (args.rounds + 1 + args.calls) * n
         asyncio.run(BC.run_n(queries, calls[:n]))
         rounds = []
         for r in range(1, args.rounds + 1):
@@ -119,8 +124,23 @@ def main() -> None:
             cpu = time.thread_time() - cpu - SPENT["model cpu"]
             rounds.append((seconds, SPENT["model"], (seconds - SPENT["model"]) / n, SPENT["gc"] / n, cpu / n))
         total, model, host, collector, host_cpu = (statistics.median(x) for x in zip(*rounds))
+        if args.calls:
+            everything, own = python_calls(queries, calls[-n:])
+            counted = f" {everything / n:,.0f} | {own / n:,.0f} |"
         print(f"| {n} | {total:.3f} s | {model:.3f} s | {host * 1e6:.0f} us | {collector * 1e6:.0f} us | "
-              f"{host_cpu * 1e6:.0f} us |")
+              f"{host_cpu * 1e6:.0f} us |{counted}")
+
+
+def python_calls(queries, calls) -> tuple[int, int]:
+    """The Python function calls of one round of `calls` under cProfile: (all of them, those of lmq's modules)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    asyncio.run(BC.run_n(queries, calls))
+    profile.disable()
+    profile.create_stats()
+    own = os.sep + "lmq_backend" + os.sep
+    return (sum(n for _, n, *_ in profile.stats.values()),
+            sum(n for (path, *_), (_, n, *_) in profile.stats.items() if own in path))
 
 
 if __name__ == "__main__":
