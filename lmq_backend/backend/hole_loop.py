@@ -234,7 +234,7 @@ class FreeHoles:
         self.extendable = bytes(extendable.astype("uint8"))  # (a bytes index: an int, far cheaper than numpy's)
 
     def __call__(self, logits: torch.Tensor | None, picks, members: list[tuple[int, Decode]]) -> list:
-        extendable, ended, fed = self.extendable, [], None
+        extendable, ended, fed = self.extendable, [], []
         for member in members:
             i, w = member
             hole = w.then
@@ -244,7 +244,7 @@ class FreeHoles:
             else:  # greedy: under the row's mask (its hole's, which never changes)
                 token = None if picks is None else picks(ahead, i)
             if token is None:  # the step made no pick for the row: its own, from the logits, below
-                fed = [member] if fed is None else fed + [member]
+                fed.append(member)
                 continue
             hole.decoded += 1
             if not extendable[token]:  # (EOS) ends the hole
@@ -264,7 +264,7 @@ class FreeHoles:
                 w.token = token
                 if ahead.__class__ is Draw:
                     w.ahead = hole.ahead = hole.sampler.draw(hole.pick)
-        return ended if fed is None else ended + _fed(logits, fed)
+        return ended + _fed(logits, fed) if fed else ended
 
 
 def _fed(logits: torch.Tensor | None, members: list[tuple[int, Decode]]) -> list:

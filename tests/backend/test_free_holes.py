@@ -18,6 +18,8 @@ SRC = '''{decoder}(max_len={max_len}{knobs})
 " then[B]" where STOPS_AT(B, "e") and len(TOKENS(B)) < 9
 " and[C]" where STOPS_BEFORE(C, " ")
 '''
+
+
 @pytest.fixture(scope="module")
 def models():
     """Tiny random Llamas whose EOS is picked often enough that some holes end on it: greedy (its logit scaled
