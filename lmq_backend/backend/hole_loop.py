@@ -239,7 +239,8 @@ class FreeHoles:
             i, w = member
             hole = w.then
             ahead = w.ahead
-            if ahead.__class__ is Draw:  # sampled: the step's sample of the draw
+            sampled = ahead.__class__ is Draw
+            if sampled:  # the step's sample of the draw
                 token = hole.row.drawn
             else:  # greedy: under the row's mask (its hole's, which never changes)
                 token = None if picks is None else picks(ahead, i)
@@ -262,7 +263,7 @@ class FreeHoles:
                 ended.append((i, w, None))
             else:
                 w.token = token
-                if ahead.__class__ is Draw:
+                if sampled:
                     w.ahead = hole.ahead = hole.sampler.draw(hole.pick)
         return ended + _fed(logits, fed) if fed else ended
 
