@@ -8,7 +8,7 @@ recently used first), `evictable_bytes` / `protected_bytes`. The nodes and their
 
 A request holds a `Pin`: the node covering the prefix it reads, locked while it does. Its lifecycle:
 
-    slots, cached = cache.lookup(pin, ids, limit)   # match, and move the pin to the match: its page table
+    slots, cached, loads = cache.lookup(pin, ids, limit)  # match, and move the pin to the match: its page table
     cache.extend(pin, ids, slots)                   # insert what it computed under its pin; the pin follows
     cache.release(pin)                              # done (finished, failed or cancelled): unlock
     copy = cache.fork(pin)                          # a second pin on the same node (a beam's copy)
@@ -17,7 +17,8 @@ A request holds a `Pin`: the node covering the prefix it reads, locked while it 
 
 Under the trie, the cache tiers (`tiers.py`: host memory, a disk folder), if the cache has them: an evicted node
 moves down to them, a stored one is written through to disk, and a lookup goes on in them after the trie's match
-(loading what it finds into fresh slots, as trie nodes). A request's disk files are read before it is queued
+(loading what it finds into fresh slots, as trie nodes; where the trie has no room, into the request's own slots
+when its prefill runs: `Loads`). A request's disk files are read before it is queued
 (`stage`, in a worker thread), and each prefill's speed tells the tiers when a load is worth it
 (`observe_prefill`). Without tiers these do nothing.
 """
@@ -32,7 +33,7 @@ import numpy as np
 
 from .kv_store import KVStore
 from .segment import Segment
-from .tiers import CacheTiers, TierOptions, build_tiers
+from .tiers import CacheTiers, Loads, TierOptions, build_tiers
 from .trie import PrefixTrie, TrieNode
 
 
@@ -131,15 +132,18 @@ class PrefixCache:
         return await asyncio.to_thread(tiers.stage, ids, at, limit)
 
     def lookup(self, pin: Pin, ids: Sequence[int], limit: int | None = None,
-               staged: Sequence[Segment] = ()) -> tuple[np.ndarray, int]:
+               staged: Sequence[Segment] = ()) -> tuple[np.ndarray, int, Loads | None]:
         """Match ids[:limit] (in the trie, then in the tiers and the `staged` segments) and move `pin` to the
-        match: (the prefix's page table, int32 [n]; n, the tokens cached)."""
+        match: (the trie's page table of the prefix, int32 [m]; n, the tokens cached; the K/V of tokens [m, n),
+        which the tiers hold and the trie had no room for, for the request's prefill to copy into slots of its
+        own: `Loads`, or None where n == m)."""
         node, cached = self.trie.match(ids, limit)
+        loads = None
         if self.tiers is not None:  # cache tiers: the match goes on in host memory and the staged files
-            node, cached = self.tiers.load(self.trie, node, ids, cached, len(ids) if limit is None else limit,
-                                           list(staged))
+            node, cached, loads = self.tiers.load(self.trie, node, ids, cached,
+                                                  len(ids) if limit is None else limit, list(staged))
         self.move(pin, node)
-        return self.trie.path_slots(node), cached
+        return self.trie.path_slots(node), cached + (loads.tokens if loads else 0), loads
 
     def extend(self, pin: Pin, ids: Sequence[int], slots: np.ndarray) -> bool:
         """Insert `ids` (with their K/V `slots`) after the pin's prefix, and move the pin to them; False where

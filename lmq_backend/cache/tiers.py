@@ -7,6 +7,7 @@ Where K/V moves
     trie --inserted--> disk tier                                 written through: the next process's warm start
     (nodes of MIN_TOKENS or more only)
     host tier, disk tier --load--> fresh store slots            up, as trie nodes, when cheaper than a prefill
+                         --load--> a request's own slots       up, where the trie has no room (`Loads`)
 
 Without a host tier, an evicted node goes to disk directly. The host tier keeps what it gives back (evicting
 that node again costs nothing); the disk tier keeps what it has until its budget evicts it.
@@ -19,6 +20,7 @@ The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line mark
                               in a worker thread reads the files that continue the device and host matches
                               (mapped, checked)
     PrefixCache.lookup        after the trie's match                                         -> `load`
+    (a prefill, ModelRunner)  the request's own part of its prefix into its slots             -> `Loads.into`
     PrefixCache.observe_prefill  the prefill's new tokens and time (`Scheduler`)            -> `observe_prefill`
 
 On a GPU a node going down is gathered on the compute stream and copied into a region of the host tier's pinned
@@ -106,9 +108,17 @@ class CacheTiers:
     def refused(self, trie: PrefixTrie, parent: TrieNode, ids: Sequence[int], slots: np.ndarray) -> None:
         """`trie` had no room for `ids` after `parent` (the running requests' prefixes fill its budget): their K/V,
         in store `slots` that the request computing them frees when it ends, is kept as an evicted node's would
-        be, so that a later request loads it instead of computing it again."""
-        if len(ids) >= self.min_tokens:
-            self._keep(lambda: (*trie.path_ids(parent), *ids), len(ids), slots)
+        be, so that a later request loads it instead of computing it again. Its head that the host tier holds
+        already (the part of a prefix the request loaded from there into slots of its own) stays where it is."""
+        if len(ids) < self.min_tokens:
+            return
+        whole = [*trie.path_ids(parent), *ids]
+        start, held = len(whole) - len(ids), 0
+        if self.host is not None:
+            starts = [0, *(n.depth for n in trie.path(parent))]
+            held = self._in_host(whole, np.asarray(whole, dtype=np.int32), starts, start, len(whole))[2]
+        if len(ids) - held >= self.min_tokens:
+            self._keep(lambda: whole, len(ids) - held, slots[held:])
 
     def inserted(self, trie: PrefixTrie, node: TrieNode) -> None:
         """The trie stored `node`: a long one is written to disk."""
@@ -288,29 +298,38 @@ class CacheTiers:
             reading.set()
 
     def load(self, trie: PrefixTrie, node: TrieNode, ids: list[int], cached: int, limit: int,
-             staged: list[Segment] = ()) -> tuple[TrieNode, int]:
+             staged: list[Segment] = ()) -> tuple[TrieNode, int, "Loads | None"]:
         """Extend the device match (`node`, `cached` tokens of `ids`) from the host tier and the `staged`
         segments, short of `limit`: each loaded run of tokens gets fresh store slots and becomes a trie node.
         A segment serves from any of its positions, so one that begins where a segment of the match begins
-        continues a match that ends inside it. Returns the deepest node and its depth; stops where the store
-        or the trie has no room."""
+        continues a match that ends inside it. Where the trie has no room for a run (the running requests'
+        prefixes fill its budget), that run and those after it are the request's own: `Loads`, copied into
+        its own slots when its prefill runs, instead of computed. Returns the deepest node, its depth, and
+        the loads (None: none); stops where the store has no room."""
         if cached >= limit:
-            return node, cached
+            return node, cached, None
         starts = [0, *(n.depth for n in trie.path(node))]
         if not staged and (self.host is None or not any(self.host.starts(s, ids[s]) for s in starts)):
-            return node, cached
+            return node, cached, None
         ids32 = np.asarray(ids, dtype=np.int32)
         hit = {"host": False, "disk": False}
+        own: list[tuple[Segment, int, int, str]] = []  # (segment, offset, tokens, tier): the request's own
+        at = cached
         trie.pin(node)
         try:
-            while cached < limit:
-                seg, offset, k = self._in_host(ids, ids32, starts, cached, limit)
+            while at < limit:
+                seg, offset, k = self._in_host(ids, ids32, starts, at, limit)
                 tier = "host"
                 for s in staged:
-                    if s.start <= cached and (n := s.start + s.continues(ids32, limit) - cached) > k:
-                        seg, offset, k, tier = s, cached - s.start, n, "disk"
+                    if s.start <= at and (n := s.start + s.continues(ids32, limit) - at) > k:
+                        seg, offset, k, tier = s, at - s.start, n, "disk"
                 if seg is None or (tier == "host" and not self.worth("host", k * self.store.bytes_per_token, k)):
                     break
+                if own or not trie.has_room(k):
+                    own.append((seg, offset, k, tier))
+                    at += k
+                    starts.append(at)
+                    continue
                 try:
                     slots = self.store.alloc(k)
                 except OutOfSlots:
@@ -328,18 +347,23 @@ class CacheTiers:
                 trie.pin(child)
                 trie.unpin(node)
                 node, cached = child, child.depth
+                at = cached
                 starts.append(cached)
                 hit[tier] = True
-                if tier == "host":
-                    self.tokens_from_host += k
-                    self.bytes_from_host += k * self.store.bytes_per_token
-                else:
-                    self.tokens_from_disk += k
+                self._count(tier, k)
         finally:
             trie.unpin(node)
         self.host_hits += hit["host"]
         self.disk_hits += hit["disk"]
-        return node, cached
+        return node, cached, Loads(self, own, ids[cached:at]) if own else None
+
+    def _count(self, tier: str, tokens: int) -> None:
+        """`tokens` tokens moved up from `tier`."""
+        if tier == "host":
+            self.tokens_from_host += tokens
+            self.bytes_from_host += tokens * self.store.bytes_per_token
+        else:
+            self.tokens_from_disk += tokens
 
     def _up(self, seg: Segment, offset: int, k: int, slots: np.ndarray, tier: str) -> None:
         """The K/V of `seg`'s tokens [offset, offset + k) into store `slots`."""
@@ -411,6 +435,39 @@ class CacheTiers:
             self._warned = True
             warnings.warn(f"lmq: a cache tier failed ({type(error).__name__}: {error}); its prefixes are computed "
                           "again", RuntimeWarning, stacklevel=3)
+
+
+class Loads:
+    """A request's K/V beyond the trie's match that the trie had no room for (`CacheTiers.load`): the tiers'
+    segments that hold it, held until its prefill copies them into the request's own store slots (`into`) in
+    place of computing them. `ids`: those tokens."""
+
+    __slots__ = ("tiers", "pieces", "ids")
+
+    def __init__(self, tiers: CacheTiers, pieces: list[tuple[Segment, int, int, str]], ids: list[int]):
+        self.tiers, self.pieces, self.ids = tiers, pieces, ids
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def into(self, slots: np.ndarray) -> bool:
+        """Copy the K/V into store `slots` (`tokens` of them, the request's own), queued on the device before
+        the prefill that reads them. False where a tier fails (one warning): the caller computes the tokens."""
+        tiers, at, hit = self.tiers, 0, set()
+        try:
+            for seg, offset, k, tier in self.pieces:
+                tiers._up(seg, offset, k, slots[at:at + k], tier)
+                at += k
+                hit.add(tier)
+        except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
+            tiers._warn(e)
+            return False
+        for seg, offset, k, tier in self.pieces:
+            tiers._count(tier, k)
+        tiers.host_hits += "host" in hit
+        tiers.disk_hits += "disk" in hit
+        return True
 
 
 @dataclass(slots=True)

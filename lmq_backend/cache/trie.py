@@ -310,6 +310,10 @@ class PrefixTrie:
     def protected_bytes(self) -> int:
         return self.bytes_in_use - self.evictable_bytes()
 
+    def has_room(self, tokens: int) -> bool:
+        """Would `insert` store `tokens` new tokens now (evicting unpinned nodes), under a pinned parent?"""
+        return self.enabled and self._locked_bytes + tokens * self.bytes_per_token <= self.budget_bytes
+
     def evict(self, nbytes: int) -> int:
         """Free at least nbytes if possible by evicting unpinned leaves, least recently used first
         (a parent left childless and unpinned becomes a candidate). Returns the bytes freed."""

@@ -58,7 +58,7 @@ class Waiting:
         """The row this step prefills: the whole row, or its first `part` new tokens."""
         if self.part is None:
             return self.row
-        return PrefillRow(self.row.slots, self.row.cached, self.row.ids[:self.part])
+        return PrefillRow(self.row.slots, self.row.cached, self.row.ids[:self.part], self.row.loads)
 
     @property
     def partial(self) -> bool:
@@ -101,7 +101,7 @@ def select(ready: list[Waiting], seats: int, room: int, running: bool, max_token
                                   or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit))):
             continue
         new = part or len(w.row.ids)
-        need = new + AHEAD + DECODE_RESERVE
+        need = new + w.row.cached - len(w.row.slots) + AHEAD + DECODE_RESERVE  # (and slots for its loads)
         if need > room and (chosen or running):  # wait for rows to leave (alone, it is tried anyway)
             continue
         w.part = part

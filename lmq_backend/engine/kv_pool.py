@@ -138,8 +138,8 @@ class KVPool:
         return slots
 
     def set_row(self, slot: int, cached: np.ndarray, new: int) -> None:
-        """Row `slot`'s table: the `cached` prefix's trie slots, then `new` slots of its own for its new
-        tokens and for the columns [end, ahead) every row has. Raises `OutOfSlots` (nothing taken)."""
+        """Row `slot`'s table: the `cached` prefix's trie slots, then `new` slots of its own for its tokens past
+        them and for the columns [end, ahead) every row has. Raises `OutOfSlots` (nothing taken)."""
         s = self.start[slot]
         own = self.store.alloc(new + self.ahead - self.end)
         row = self._np[slot]

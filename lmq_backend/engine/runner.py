@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..cache.kv_store import KVStore, token_bytes
+from ..cache.tiers import Loads
 from . import compat
 from .attention import PREFILL_READ, model_attention
 from .kv_pool import KVPool
@@ -24,11 +25,22 @@ from .picks import Choices, Draw, choose, mask_picks, numbering, sample
 
 @dataclass(slots=True)
 class PrefillRow:
-    """One row of a prefill: `cached` tokens whose K/V are in the trie's store `slots`, then new token `ids`."""
+    """One row of a prefill: `cached` tokens whose K/V are in the trie's store `slots`, then new token `ids`.
+    Where `loads` is given, the last `loads.tokens` of the cached tokens have no slots yet: the K/V that the
+    cache tiers hold of them is copied into the row's own slots before the forward (`cache.tiers.Loads`)."""
 
     slots: np.ndarray
     cached: int
     ids: list[int]
+    loads: Loads | None = None
+
+    def load(self, slots: np.ndarray) -> None:
+        """Copy the loads into `slots` (the row's own, for them); where a tier fails, the row computes those
+        tokens instead (its length stays the same)."""
+        loads, self.loads = self.loads, None
+        if not loads.into(slots):
+            self.cached -= loads.tokens
+            self.ids = [*loads.ids, *self.ids]
 
 
 class ModelRunner:
@@ -273,11 +285,14 @@ class ModelRunner:
         hold their new tokens (the caller removes the rows it added, as after any failed prefill)."""
         assert all(r.ids for r in rows), "a prefill row needs at least one new token"
         lengths = [r.cached + len(r.ids) for r in rows]
-        width, longest = max(len(r.ids) for r in rows), max(lengths)
+        longest = max(lengths)
         pool.make_room(pool.rows + len(rows), longest, extra=2)
         slots = pool.add_rows(lengths)
-        for slot, row in zip(slots, rows):
-            pool.set_row(slot, row.slots, len(row.ids))
+        for slot, row, n in zip(slots, rows, lengths):
+            pool.set_row(slot, row.slots, n - len(row.slots))
+            if row.loads is not None:  # (its own slots for the tokens the tiers hold, then its new ones)
+                row.load(pool.row_slots(slot)[len(row.slots):row.cached])
+        width = max(len(r.ids) for r in rows)
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
             # The fused step costs a fraction of the model's forward (mostly Python, for one token).

@@ -274,9 +274,10 @@ class Scheduler:
     def _lookup(self, request: PrefillRequest) -> PrefillRow:
         """The request's cached prefix (its pin moved there), and the row to prefill: the rest of its ids (the
         last one at least: its logits are the answer)."""
-        slots, request.cached = self.cache.lookup(request.pin, request.ids, len(request.ids) - 1, request.staged)
+        slots, request.cached, loads = self.cache.lookup(request.pin, request.ids, len(request.ids) - 1,
+                                                         request.staged)
         request.looked_up = time.perf_counter()
-        return PrefillRow(slots, request.cached, request.ids[request.cached:])
+        return PrefillRow(slots, request.cached, request.ids[request.cached:], loads)
 
     def _make_room(self) -> list[Row]:
         """The rows of a decode step, each with slots for its next columns: the latest rows are preempted where
@@ -413,6 +414,7 @@ class Scheduler:
             if w.future.done():  # cancelled while the device ran the step: its query has cleaned up (its
                 self.release(row)  # pins are gone), so nothing of it is stored
                 continue
+            w.request.cached = min(w.request.cached, w.row.cached)  # (fewer where a tier failed: computed)
             try:
                 self._store(w.request, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone
@@ -422,12 +424,13 @@ class Scheduler:
             w.future.set_result((row_logits, row))
 
     def _store(self, request: PrefillRequest, row: Row) -> None:
-        """What the request computed of ids[:stored] goes to the prefix cache, under its pin; the cache hears
-        how long the request's new tokens took from its lookup on."""
+        """What the request computed (or loaded into slots of its own) of ids[:stored] goes to the prefix cache,
+        under its pin; the cache hears how long the request's new tokens took from its lookup on."""
         self.cache.observe_prefill(len(request.ids) - request.cached, time.perf_counter() - request.looked_up)
-        if request.cached < request.stored:
-            self.cache.extend(request.pin, request.ids[request.cached:request.stored],
-                             self.pool.segment(row.slot, request.cached, request.stored))
+        pinned = request.pin.depth
+        if pinned < request.stored:
+            self.cache.extend(request.pin, request.ids[pinned:request.stored],
+                              self.pool.segment(row.slot, pinned, request.stored))
 
     # ----- run and post-process: decode -----------------------------------------------------------------
 

@@ -29,7 +29,7 @@ def test_a_request_reads_what_another_stored_and_pins_hold_it():
     kv = store()
     cache = PrefixCache(kv, budget_bytes=40 * kv.bytes_per_token)
     first = Pin()
-    slots, cached = cache.lookup(first, [1, 2, 3, 4, 5], limit=4)
+    slots, cached, _ = cache.lookup(first, [1, 2, 3, 4, 5], limit=4)
     assert cached == 0 and len(slots) == 0 and first.node is cache.trie.root
     row = computed(kv, 5)
     assert cache.extend(first, [1, 2, 3, 4, 5], row)  # the cache takes the row's slots
@@ -37,7 +37,7 @@ def test_a_request_reads_what_another_stored_and_pins_hold_it():
     check(cache, kv)
 
     second = Pin()
-    slots, cached = cache.lookup(second, [1, 2, 3, 9], limit=3)  # a match inside a node splits it
+    slots, cached, _ = cache.lookup(second, [1, 2, 3, 9], limit=3)  # a match inside a node splits it
     assert cached == 3 and slots.tolist() == row[:3].tolist() and second.depth == 3
     assert cache.protected_bytes() == cache.bytes_in_use and cache.evictable_bytes() == 0
     assert cache.evict(10**9) == 0  # everything is pinned

@@ -396,6 +396,68 @@ async def test_a_prefix_the_trie_has_no_room_for_goes_down_a_tier(model, tokeniz
     b.tiers.host.check()
 
 
+OWN_SLOTS_WARM = [(s, f"what is {w}?") for s, w in [(0, "one"), (1, "two"), (2, "three")]]
+OWN_SLOTS_CALLS = [(s, f"where is {w}?") for s, w in [(0, "four"), (1, "five"), (2, "six")]]
+
+
+async def own_slots_run(model, tokenizer, broken=None):
+    """`OWN_SLOTS_WARM` one after another, then `OWN_SLOTS_CALLS` at once (with `broken(copy up)` in place of the
+    tiers' copy up, if given), on a trie that holds 1.5 prefixes: (the backend, its stats before the calls at once,
+    their prompts, the prompts expected)."""
+    expected = await run(backend(model, tokenizer, cache_budget=0), OWN_SLOTS_WARM + OWN_SLOTS_CALLS)
+    b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB")
+    assert await run(b, OWN_SLOTS_WARM) == expected[:3]
+    assert sum(seg.tokens >= PREFIX // PER_TOKEN - 10 for seg in b.tiers.host) == 2  # (the last in the trie)
+    if broken is not None:
+        b.tiers._up = broken(b.tiers._up)
+    before = b.stats()
+    q = lmq.Query(QUERY, model=b)
+    out = await asyncio.gather(*(q.run({"shots": shots(s), "question": t}) for s, t in OWN_SLOTS_CALLS))
+    return b, before, [r.prompt for r in out], expected[3:]
+
+
+async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_slots(model, tokenizer):
+    """Three prefixes computed one after another, a trie that holds one (the last; the others went to the host
+    tier): three calls at once on them. The first call's prefix is loaded into the trie (the last one goes down
+    to make room) and pinned by its call; the others find no room there, so their prefixes are copied from the
+    host tier into their own slots and only their questions are prefilled. The same tokens as without a cache;
+    what the trie refused is not copied down again (the host tier holds it); no slot is leaked."""
+    b, before, out, expected = await own_slots_run(model, tokenizer)
+    assert out == expected
+    s = b.stats()
+    prefix_tokens = PREFIX // PER_TOKEN - 10
+    assert s.host_hits - before.host_hits == 3 and s.tokens_from_host - before.tokens_from_host >= 3 * prefix_tokens
+    assert s.tokens_prefilled - before.tokens_prefilled < 3 * 20  # the questions alone
+    assert s.bytes_to_host - before.bytes_to_host <= PREFIX  # the prefix evicted for the first, alone
+    assert b.trie.pinned_nodes() == 0
+    b.store.check(node_slots(b.trie), [])
+    b.tiers.host.check()
+
+
+async def test_a_failing_copy_into_a_calls_own_slots_computes_its_prefix(model, tokenizer):
+    """As above, the tiers' copies up failing after the first (the load into the trie): the two calls whose
+    prefixes were to be copied into their own slots compute them instead, with a warning."""
+    def broken(up):
+        copies = []
+
+        def first_only(*args):
+            copies.append(args)
+            if len(copies) > 1:
+                raise OSError("the device is gone")
+            return up(*args)
+        return first_only
+
+    with pytest.warns(RuntimeWarning, match="a cache tier failed"):
+        b, before, out, expected = await own_slots_run(model, tokenizer, broken)
+    assert out == expected
+    s = b.stats()
+    prefix_tokens = PREFIX // PER_TOKEN - 10
+    assert s.host_hits - before.host_hits == 1 and s.tokens_from_host - before.tokens_from_host >= prefix_tokens
+    assert s.tokens_prefilled - before.tokens_prefilled >= 2 * prefix_tokens
+    assert b.trie.pinned_nodes() == 0
+    b.store.check(node_slots(b.trie), [])
+
+
 async def test_without_a_host_tier_a_prefix_the_trie_has_no_room_for_is_written_to_disk(model, tokenizer, tmp_path):
     calls = [(0, "what is one?"), (1, "what is two?")]
     b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=0, disk_cache=tmp_path)
