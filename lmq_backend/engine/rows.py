@@ -131,10 +131,13 @@ class Batch:
                 if moved is not None:
                     rows[slot].slot = slot
 
-    def drop_unjoined(self) -> None:
-        """Remove the pool's rows past the batch's (a failed prefill's), with the slots they took."""
+    def drop_unjoined(self, held: dict[int, int] | None = None) -> None:
+        """Remove the pool's rows past the batch's (a failed prefill's), with the slots they took. `held`: {first
+        slot: n} for rows whose first n slots a request holds (a long prompt's parts done): those stay."""
         while self.pool.rows > len(self.rows):
-            self.pool.remove_row(self.pool.rows - 1)
+            slot = self.pool.rows - 1
+            first = self.pool.row_slots(slot)[:1]
+            self.pool.remove_row(slot, held.get(int(first[0]), 0) if held and len(first) else 0)
 
     def clear(self) -> None:
         """Every row leaves; the pool frees every slot."""

@@ -35,12 +35,12 @@ class PrefillRow:
     loads: Loads | None = None
 
     def load(self, slots: np.ndarray) -> None:
-        """Copy the loads into `slots` (the row's own, for them); where a tier fails, the row computes those
-        tokens instead (its length stays the same)."""
-        loads, self.loads = self.loads, None
-        if not loads.into(slots):
-            self.cached -= loads.tokens
-            self.ids = [*loads.ids, *self.ids]
+        """Copy the loads into `slots` (the row's own, for them; again if the prefill is retried); where a tier
+        fails, the row computes those tokens instead (its length stays the same)."""
+        if not self.loads.into(slots):
+            self.cached -= self.loads.tokens
+            self.ids = [*self.loads.ids, *self.ids]
+            self.loads = None
 
 
 class ModelRunner:

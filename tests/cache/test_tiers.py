@@ -25,6 +25,7 @@ import lmq_backend as lmq
 from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
 from lmq_backend.cache.host_arena import ALIGN, CHUNK_MIN, HostArena, chunk_sizes
 from lmq_backend.cache.host_tier import HostTier
+from lmq_backend.cache.kv_store import ROW
 from lmq_backend.cache.segment import Segment, prefix_key
 from lmq_backend.cache.stats import CacheStats, format_table
 from lmq_backend.cache.tiers import MIN_TOKENS, CacheTiers
@@ -400,16 +401,16 @@ OWN_SLOTS_WARM = [(s, f"what is {w}?") for s, w in [(0, "one"), (1, "two"), (2, 
 OWN_SLOTS_CALLS = [(s, f"where is {w}?") for s, w in [(0, "four"), (1, "five"), (2, "six")]]
 
 
-async def own_slots_run(model, tokenizer, broken=None):
-    """`OWN_SLOTS_WARM` one after another, then `OWN_SLOTS_CALLS` at once (with `broken(copy up)` in place of the
-    tiers' copy up, if given), on a trie that holds 1.5 prefixes: (the backend, its stats before the calls at once,
-    their prompts, the prompts expected)."""
+async def own_slots_run(model, tokenizer, prepare=None):
+    """`OWN_SLOTS_WARM` one after another, then `OWN_SLOTS_CALLS` at once (after `prepare(backend)`, if given), on
+    a trie that holds 1.5 prefixes: (the backend, its stats before the calls at once, their prompts, the prompts
+    expected)."""
     expected = await run(backend(model, tokenizer, cache_budget=0), OWN_SLOTS_WARM + OWN_SLOTS_CALLS)
     b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache="16MB")
     assert await run(b, OWN_SLOTS_WARM) == expected[:3]
     assert sum(seg.tokens >= PREFIX // PER_TOKEN - 10 for seg in b.tiers.host) == 2  # (the last in the trie)
-    if broken is not None:
-        b.tiers._up = broken(b.tiers._up)
+    if prepare is not None:
+        prepare(b)
     before = b.stats()
     q = lmq.Query(QUERY, model=b)
     out = await asyncio.gather(*(q.run({"shots": shots(s), "question": t}) for s, t in OWN_SLOTS_CALLS))
@@ -437,24 +438,51 @@ async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_
 async def test_a_failing_copy_into_a_calls_own_slots_computes_its_prefix(model, tokenizer):
     """As above, the tiers' copies up failing after the first (the load into the trie): the two calls whose
     prefixes were to be copied into their own slots compute them instead, with a warning."""
-    def broken(up):
-        copies = []
+    def first_copy_only(b):
+        up, copies = b.tiers._up, []
 
-        def first_only(*args):
+        def copy(*args):
             copies.append(args)
             if len(copies) > 1:
                 raise OSError("the device is gone")
             return up(*args)
-        return first_only
+        b.tiers._up = copy
 
     with pytest.warns(RuntimeWarning, match="a cache tier failed"):
-        b, before, out, expected = await own_slots_run(model, tokenizer, broken)
+        b, before, out, expected = await own_slots_run(model, tokenizer, first_copy_only)
     assert out == expected
     s = b.stats()
     prefix_tokens = PREFIX // PER_TOKEN - 10
     assert s.host_hits - before.host_hits == 1 and s.tokens_from_host - before.tokens_from_host >= prefix_tokens
     assert s.tokens_prefilled - before.tokens_prefilled >= 2 * prefix_tokens
     assert b.trie.pinned_nodes() == 0
+    b.store.check(node_slots(b.trie), [])
+
+
+async def test_a_prefill_retried_copies_its_loads_again(model, tokenizer):
+    """As above, the prefill of the calls at once failing after its rows took their slots (and their loads were
+    copied), leaving those slots' K/V garbage: the halves, retried, copy the loads again into the slots they
+    take then."""
+    failed = []
+
+    def failing_once(b):
+        prefill = b.runner.prefill
+
+        def once(pool, rows):
+            logits, slots = prefill(pool, rows)
+            if not failed and len(rows) > 1:  # (the calls at once: two of them with loads)
+                failed.append(len(rows))
+                for slot in slots:
+                    taken = pool.row_slots(slot)
+                    taken = taken[b.store.owner[taken] == ROW]
+                    b.store.data[:, :, torch.from_numpy(taken.astype(np.int64))] = 0.5
+                raise torch.OutOfMemoryError("simulated: out of memory in the forward")
+            return logits, slots
+        b.runner.prefill = once
+
+    b, before, out, expected = await own_slots_run(model, tokenizer, failing_once)
+    assert failed and out == expected
+    assert b.stats().tokens_prefilled - before.tokens_prefilled < 3 * 20  # (loaded, not computed)
     b.store.check(node_slots(b.trie), [])
 
 

@@ -269,3 +269,29 @@ async def test_rows_in_one_choice_state_pick_under_one_mask_object(make_backend,
     assert set(values) <= {" alpha beta gamma", " delta epsilon"}
     busy = [(rows, unique) for rows, unique in seen if rows >= 8]  # (a mask a place: a few, not one a row)
     assert busy and all(unique * 4 <= rows for rows, unique in busy)
+
+
+async def test_a_part_that_fails_after_its_row_was_added_keeps_the_parts_done(make_backend, monkeypatch):
+    """A long prompt in parts of 16 tokens; its second part fails with out of memory after its row took slots
+    (as a forward that runs out of memory does): the row is dropped with the slots it took, but not those of
+    the part done, which the retried part (halved) reads as its cached prefix."""
+    from lmq_backend.engine import admission
+
+    expected = (await lmq.Query(LONG, model=make_backend("llama", cache_budget=0)).run({"x": "ok"})).variables
+    backend = make_backend("llama", cache_budget=0)
+    backend.scheduler.max_prefill_tokens = 16
+    monkeypatch.setattr(admission, "MIN_PART", 8)
+    prefill, calls = backend.runner.prefill, []
+
+    def failing_second(pool, rows):
+        calls.append(len(rows[0].ids))
+        out = prefill(pool, rows)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("simulated: out of memory in the forward")
+        return out
+
+    monkeypatch.setattr(backend.runner, "prefill", failing_second)
+    assert (await lmq.Query(LONG, model=backend).run({"x": "ok"})).variables == expected
+    assert calls[:3] == [16, 16, 8]
+    assert backend.scheduler.pool.rows == 0
+    backend.store.check(node_slots(backend.trie), [])
