@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..cache.prefix_cache import Pin
@@ -131,13 +132,15 @@ class Batch:
                 if moved is not None:
                     rows[slot].slot = slot
 
-    def drop_unjoined(self, held: dict[int, int] | None = None) -> None:
-        """Remove the pool's rows past the batch's (a failed prefill's), with the slots they took. `held`: {first
-        slot: n} for rows whose first n slots a request holds (a long prompt's parts done): those stay."""
+    def drop_unjoined(self, held: list[np.ndarray] = ()) -> None:
+        """Remove the pool's rows past the batch's (a failed prefill's), with the slots they took. `held`: the
+        slots a request keeps of the tokens its row begins with (a long prompt's parts done: its prefix, then
+        slots of its own, the last one among them), which stay."""
         while self.pool.rows > len(self.rows):
             slot = self.pool.rows - 1
-            first = self.pool.row_slots(slot)[:1]
-            self.pool.remove_row(slot, held.get(int(first[0]), 0) if held and len(first) else 0)
+            taken = self.pool.row_slots(slot)
+            keep = next((len(h) for h in held if len(h) <= len(taken) and taken[len(h) - 1] == h[-1]), 0)
+            self.pool.remove_row(slot, keep)
 
     def clear(self) -> None:
         """Every row leaves; the pool frees every slot."""

@@ -337,7 +337,7 @@ class Scheduler:
             logits, slots = self.runner.prefill(self.pool, [w.step_row() for w in batch])
         except BaseException as e:
             # the rows this prefill added, with the slots they took (not those of a long prompt's parts done)
-            self.batch.drop_unjoined({int(w.row.slots[0]): len(w.row.slots) for w in batch if w.started})
+            self.batch.drop_unjoined([w.row.slots for w in batch if w.started])
             if not isinstance(e, Exception):  # (the scheduler itself is stopping)
                 _fail([w.future for w in batch], e)  # taken off `waiting` already: `_fail_all` would not reach them
                 self._drop(batch)

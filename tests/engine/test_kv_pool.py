@@ -1,5 +1,6 @@
 """`KVPool.shares_prefixes`: whether the rows' page tables share prefixes in blocks (the GPU's cascade
 attention reads such tiles once for a block of rows)."""
+import numpy as np
 import torch
 
 from lmq_backend.cache.kv_store import KVStore
@@ -123,3 +124,22 @@ def test_the_device_table_is_the_host_table_in_every_live_row(monkeypatch):
             assert torch.equal(mirror[r, :pool.ahead], pool.table[r, :pool.ahead]), r
             live[r, pool.start[r]:pool.ahead] = True
         assert not pool.table[~live].any()
+
+
+def test_a_failed_prefills_rows_go_but_a_long_prompts_parts_done_stay():
+    """`Batch.drop_unjoined`: of two rows a failed prefill added on one trie prefix, the one whose request holds
+    its prefix and a part done (a long prompt's last part) keeps those, the other frees every slot of its own."""
+    from lmq_backend.engine.rows import Batch
+
+    store = KVStore(1, 1, 4, torch.float32, torch.device("cpu"), 4096)
+    trie = store.alloc(50)
+    store.take(trie)
+    held = np.concatenate([trie, store.alloc(16)]).astype(np.int32)  # the prefix, then the part done
+    pool = KVPool(store, rows=2, columns=512)
+    pool.make_room(2, 100, extra=2)
+    slots = pool.add_rows([len(held) + 10, len(trie) + 30])
+    pool.set_row(slots[0], held, 10)
+    pool.set_row(slots[1], trie, 30)
+    Batch(pool).drop_unjoined([held])
+    assert pool.rows == 0
+    store.check(trie_slots=[trie], row_tables=[held])
