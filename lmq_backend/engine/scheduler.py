@@ -333,8 +333,9 @@ class Scheduler:
         if not batch:
             return
         started = time.perf_counter()
+        rows = [w.step_row() for w in batch]
         try:
-            logits, slots = self.runner.prefill(self.pool, [w.step_row() for w in batch])
+            logits, slots = self.runner.prefill(self.pool, rows)
         except BaseException as e:
             # the rows this prefill added, with the slots they took (not those of a long prompt's parts done)
             self.batch.drop_unjoined([w.row.slots for w in batch if w.started])
@@ -351,6 +352,8 @@ class Scheduler:
             if error is not None:  # its own prefill fails alone: that query gets the error
                 batch[0].future.set_exception(error)
             return
+        for w, row in zip(batch, rows):  # (fewer where a tier failed and the row computed them: `PrefillRow.load`)
+            w.request.cached = min(w.request.cached, row.cached)
         if batch[0].partial:
             self._part_done(batch[0], slots[0], started)
         else:
@@ -415,7 +418,6 @@ class Scheduler:
             if w.future.done():  # cancelled while the device ran the step: its query has cleaned up (its
                 self.release(row)  # pins are gone), so nothing of it is stored
                 continue
-            w.request.cached = min(w.request.cached, w.row.cached)  # (fewer where a tier failed: computed)
             try:
                 self._store(w.request, row)
             except BaseException as e:  # noqa: BLE001 - the failure belongs to that query alone

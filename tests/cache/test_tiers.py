@@ -459,6 +459,29 @@ async def test_a_failing_copy_into_a_calls_own_slots_computes_its_prefix(model, 
     b.store.check(node_slots(b.trie), [])
 
 
+async def test_a_failing_copy_into_the_first_part_of_a_long_prompt_is_counted_as_computed(model, tokenizer):
+    """As above, each call's new tokens prefilled in parts (of 4): the first part of the two calls whose copies fail
+    computes their prefixes with its new tokens, and the stats count those tokens as prefilled, not reused."""
+    def parts_and_first_copy_only(b):
+        b.scheduler.max_prefill_tokens = 4
+        up, copies = b.tiers._up, []
+
+        def copy(*args):
+            copies.append(args)
+            if len(copies) > 1:
+                raise OSError("the device is gone")
+            return up(*args)
+        b.tiers._up = copy
+
+    with pytest.warns(RuntimeWarning, match="a cache tier failed"):
+        b, before, out, expected = await own_slots_run(model, tokenizer, parts_and_first_copy_only)
+    assert out == expected
+    prefix_tokens = PREFIX // PER_TOKEN - 10
+    assert b.stats().tokens_prefilled - before.tokens_prefilled >= 2 * prefix_tokens
+    assert b.trie.pinned_nodes() == 0
+    b.store.check(node_slots(b.trie), [])
+
+
 async def test_a_prefill_retried_copies_its_loads_again(model, tokenizer):
     """As above, the prefill of the calls at once failing after its rows took their slots (and their loads were
     copied), leaving those slots' K/V garbage: the halves, retried, copy the loads again into the slots they
