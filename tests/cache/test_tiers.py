@@ -435,19 +435,21 @@ async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_
     b.tiers.host.check()
 
 
+def first_copy_only(b):
+    """The tiers' copies up of backend `b` failing after the first."""
+    up, copies = b.tiers._up, []
+
+    def copy(*args):
+        copies.append(args)
+        if len(copies) > 1:
+            raise OSError("the device is gone")
+        return up(*args)
+    b.tiers._up = copy
+
+
 async def test_a_failing_copy_into_a_calls_own_slots_computes_its_prefix(model, tokenizer):
     """As above, the tiers' copies up failing after the first (the load into the trie): the two calls whose
     prefixes were to be copied into their own slots compute them instead, with a warning."""
-    def first_copy_only(b):
-        up, copies = b.tiers._up, []
-
-        def copy(*args):
-            copies.append(args)
-            if len(copies) > 1:
-                raise OSError("the device is gone")
-            return up(*args)
-        b.tiers._up = copy
-
     with pytest.warns(RuntimeWarning, match="a cache tier failed"):
         b, before, out, expected = await own_slots_run(model, tokenizer, first_copy_only)
     assert out == expected
@@ -464,14 +466,7 @@ async def test_a_failing_copy_into_the_first_part_of_a_long_prompt_is_counted_as
     computes their prefixes with its new tokens, and the stats count those tokens as prefilled, not reused."""
     def parts_and_first_copy_only(b):
         b.scheduler.max_prefill_tokens = 4
-        up, copies = b.tiers._up, []
-
-        def copy(*args):
-            copies.append(args)
-            if len(copies) > 1:
-                raise OSError("the device is gone")
-            return up(*args)
-        b.tiers._up = copy
+        first_copy_only(b)
 
     with pytest.warns(RuntimeWarning, match="a cache tier failed"):
         b, before, out, expected = await own_slots_run(model, tokenizer, parts_and_first_copy_only)
