@@ -25,11 +25,9 @@ The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line mark
 
 On a GPU a node going down is gathered on the compute stream and copied into a region of the host tier's pinned
 arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event); a
-load goes up on the same side stream, while the compute stream runs the steps queued before it, and only its
-scatter into the store slots is queued on the compute stream, after the copy's event (the host waits for
-neither). One stream for both directions keeps them in order: a copy down never overwrites an arena region a
-copy up queued before it still reads. A file's K/V is copied into pinned memory by the worker thread that read
-it. On the CPU every copy is plain.
+load goes up on the compute stream (the host does not wait; the prefill reading it is queued after it), so a
+copy down, queued after the compute stream's work, never overwrites an arena region a copy up still reads. A
+file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every copy is plain.
 
 When to load (`worth`): a segment is loaded when moving its bytes at the tier's measured bandwidth takes less
 time than prefilling its tokens at the fastest prefill speed seen so far (new tokens / time from a prefill's
@@ -376,22 +374,16 @@ class CacheTiers:
             data.index_copy_(2, index, seg.kv[:, :, offset:offset + k])
             self._measure(tier, k * self.store.bytes_per_token, time.perf_counter() - started)
             return
-        stream, side = torch.cuda.current_stream(self.store.device), self._side_stream()
+        stream = torch.cuda.current_stream(self.store.device)
+        if seg.ready is not None:
+            stream.wait_event(seg.ready)
         timed = tier not in self.bandwidth
         if timed:
             torch.cuda.synchronize(self.store.device)
             started = time.perf_counter()
         # the whole segment goes up (a slice of pinned memory on dim 2 is not contiguous: it would not copy
-        # asynchronously) on the side stream, while the compute stream runs the steps queued before; the part
-        # wanted goes into the store on the compute stream, after the copy
-        with torch.cuda.stream(side):
-            if seg.ready is not None:
-                side.wait_event(seg.ready)
-            up = seg.kv.to(self.store.device, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(side)
-        stream.wait_event(arrived)
-        up.record_stream(stream)
+        # asynchronously), then the part wanted goes into the store
+        up = seg.kv.to(self.store.device, non_blocking=True)
         data.index_copy_(2, index.pin_memory().to(self.store.device, non_blocking=True), up[:, :, offset:offset + k])
         if timed:
             torch.cuda.synchronize(self.store.device)
