@@ -710,8 +710,9 @@ def peaked_llama_on_a_gpu():
 
 @pytest.mark.gpu
 async def test_loads_into_a_calls_own_slots_on_a_gpu(tokenizer):
-    """`own_slots_run` on a GPU: the copies up run on the tiers' side stream, their scatter into the store on the
-    compute stream after them; the same tokens as without a cache, the prefixes loaded, not computed."""
+    """`own_slots_run` on a GPU: the copies up (from pinned memory) and their scatter into the calls' own slots are
+    queued on the compute stream before the prefill that reads them; the same tokens as without a cache, the
+    prefixes loaded, not computed."""
     b, before, out, expected = await own_slots_run(peaked_llama_on_a_gpu(), tokenizer)
     assert out == expected
     s = b.stats()
@@ -724,8 +725,8 @@ async def test_loads_into_a_calls_own_slots_on_a_gpu(tokenizer):
 @pytest.mark.gpu
 async def test_calls_at_once_through_a_small_pinned_arena_on_a_gpu(tokenizer):
     """Twelve calls at once over four prefixes, twice, a trie that holds 1.5 of them and a host tier that holds
-    two: segments go down into arena regions that others' copies up were reading, and come up while the compute
-    stream runs other rows; the answers are those of the calls one after another without a cache."""
+    two: segments go down (copied on the side stream) into arena regions that copies up queued before them (on the
+    compute stream) were reading; the answers are those of the calls one after another without a cache."""
     model = peaked_llama_on_a_gpu()
     expected = await run(backend(model, tokenizer, cache_budget=0), CALLS)
     b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=3 * PREFIX)
