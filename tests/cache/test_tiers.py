@@ -397,6 +397,15 @@ async def test_a_prefix_the_trie_has_no_room_for_goes_down_a_tier(model, tokeniz
     b.tiers.host.check()
 
 
+def peaked_llama_on_a_gpu():
+    """The tiny Llama on the GPU, its LM head scaled up to a trained model's peaked distributions: cuBLAS picks its
+    GEMM kernels by the number of rows, so a row's logits may differ in their last bits batched and alone, which
+    on a random model's near-ties would move a greedy pick (`tests/engine/test_fused_engine.py` does the same)."""
+    model = tiny_llama().cuda()
+    model.lm_head.weight.data *= 10
+    return model
+
+
 OWN_SLOTS_WARM = [(s, f"what is {w}?") for s, w in [(0, "one"), (1, "two"), (2, "three")]]
 OWN_SLOTS_CALLS = [(s, f"where is {w}?") for s, w in [(0, "four"), (1, "five"), (2, "six")]]
 
@@ -417,13 +426,16 @@ async def own_slots_run(model, tokenizer, prepare=None):
     return b, before, [r.prompt for r in out], expected[3:]
 
 
-async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_slots(model, tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_slots(model, tokenizer, device):
     """Three prefixes computed one after another, a trie that holds one (the last; the others went to the host
     tier): three calls at once on them. The first call's prefix is loaded into the trie (the last one goes down
     to make room) and pinned by its call; the others find no room there, so their prefixes are copied from the
     host tier into their own slots and only their questions are prefilled. The same tokens as without a cache;
-    what the trie refused is not copied down again (the host tier holds it); no slot is leaked."""
-    b, before, out, expected = await own_slots_run(model, tokenizer)
+    what the trie refused is not copied down again (the host tier holds it); no slot is leaked. (On a GPU the
+    copies up from pinned memory and their scatter into the slots are queued on the compute stream before the
+    prefill that reads them.)"""
+    b, before, out, expected = await own_slots_run(model if device == "cpu" else peaked_llama_on_a_gpu(), tokenizer)
     assert out == expected
     s = b.stats()
     prefix_tokens = PREFIX // PER_TOKEN - 10
@@ -697,29 +709,6 @@ async def test_exact_through_pinned_host_memory_on_a_gpu(tokenizer, tmp_path):
                                      name="tiny")
     assert await run(again) == ref
     assert again.stats().disk_hits > 0
-
-
-def peaked_llama_on_a_gpu():
-    """The tiny Llama on the GPU, its LM head scaled up to a trained model's peaked distributions: cuBLAS picks its
-    GEMM kernels by the number of rows, so a row's logits may differ in their last bits batched and alone, which
-    on a random model's near-ties would move a greedy pick (`tests/engine/test_fused_engine.py` does the same)."""
-    model = tiny_llama().cuda()
-    model.lm_head.weight.data *= 10
-    return model
-
-
-@pytest.mark.gpu
-async def test_loads_into_a_calls_own_slots_on_a_gpu(tokenizer):
-    """`own_slots_run` on a GPU: the copies up (from pinned memory) and their scatter into the calls' own slots are
-    queued on the compute stream before the prefill that reads them; the same tokens as without a cache, the
-    prefixes loaded, not computed."""
-    b, before, out, expected = await own_slots_run(peaked_llama_on_a_gpu(), tokenizer)
-    assert out == expected
-    s = b.stats()
-    assert s.host_hits - before.host_hits == 3 and s.tokens_prefilled - before.tokens_prefilled < 3 * 20
-    assert b.trie.pinned_nodes() == 0
-    b.store.check(node_slots(b.trie), [])
-    b.tiers.host.check()
 
 
 @pytest.mark.gpu
