@@ -11,7 +11,10 @@ Workloads (`--workload`), each call a hole of up to 16 free tokens after its pro
            sentiment, few-shot translation: `workloads.MIX_TEMPLATES`), drawn at random per call, varied reviews
 With `--gpu-time`, one more round of the same N under torch's profiler sums the device's kernel and copy time:
 GPU ms a round, and the GPU's idle time a query (the unprofiled round's time less that, over N: the host's work
-the device waits for).
+the device waits for). Every run prints the timed round's timeline from the engine's steps (`on_step`): the time
+before its first step began (the queries' first turns: rendering, tokenizing, submitting), in the steps (from a
+step's start to its results taken: the device's work and the host's around it), and between them and after the
+last (the queries' turns, looking up and choosing the next prefills).
 
     GPU: python benchmarks/bench_concurrency.py --tokenizer DIR --shape llama-1b --n 64 256 1024
          python benchmarks/bench_concurrency.py --tokenizer DIR --n 1024 --workload mix --gpu-time --hf
@@ -111,6 +114,21 @@ def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample
     return time.perf_counter() - t
 
 
+def timeline(steps: list, ended: list[float], began: float, seconds: float) -> str:
+    """Where a round's wall time went, from its steps (`StepInfo`s, each reported at `ended`, the round
+    having begun at `began` and lasted `seconds`): before the first step, in prefill and decode steps, between
+    steps and after the last."""
+    if not steps:
+        return "no steps"
+    starts = [end - info.seconds for info, end in zip(steps, ended)]
+    inside = {kind: sum(info.seconds for info in steps if info.kind == kind) for kind in ("prefill", "decode")}
+    between = sum(max(0.0, start - end) for start, end in zip(starts[1:], ended))
+    after = max(0.0, began + seconds - ended[-1])
+    return (f"timeline: first step at {(starts[0] - began) * 1e3:.0f} ms; in prefill steps "
+            f"{inside['prefill'] * 1e3:.0f} ms, decode steps {inside['decode'] * 1e3:.0f} ms; between steps "
+            f"{between * 1e3:.0f} ms, after the last {after * 1e3:.0f} ms (of {seconds * 1e3:.0f} ms)")
+
+
 def run_ahead(backend) -> tuple[int, int]:
     """(run-ahead steps launched, taken) by the backend's fused GPU decoder so far; (0, 0) without one."""
     decoder = getattr(backend.runner, "_decoder", None)
@@ -173,8 +191,9 @@ def main() -> None:
         store.peak_used = store.used_slots
         before = store.used_slots
         asyncio.run(run_n(queries, warm))         # warm-up: same N, fills the trie with the prefixes
-        ahead, steps = run_ahead(backend), []
-        backend.on_step(steps.append)
+        ahead, steps, ended = run_ahead(backend), [], []
+        backend.on_step(lambda step: (steps.append(step), ended.append(time.perf_counter())))
+        began = time.perf_counter()
         seconds = asyncio.run(run_n(queries, timed))
         backend.on_step(None)
         ahead = [b - a for a, b in zip(ahead, run_ahead(backend))]
@@ -200,6 +219,7 @@ def main() -> None:
         print(f"#   {len(steps) - len(prefills)} decode steps, {len(prefills)} prefill steps (rows: at most "
               f"{max(prefills, default=0)}, median {sorted(prefills)[len(prefills) // 2] if prefills else 0})"
               + (f"; run-ahead steps launched {ahead[0]}, taken {ahead[1]}" if ahead[0] else ""), flush=True)
+        print("#   " + timeline(steps, ended, began, seconds), flush=True)
     s = backend.stats()
     print(f"# hit rate {s.token_hit_rate:.3f}, trie {s.bytes_in_use / 1e9:.2f} GB in {s.nodes} nodes, "
           f"evictions {s.evictions}")
