@@ -36,6 +36,7 @@ comes back exact, and a prefill costs far more per token than a copy on the mach
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
@@ -112,13 +113,14 @@ class CacheTiers:
         already (the part of a prefix the request loaded from there into slots of its own) stays where it is."""
         if len(ids) < self.min_tokens:
             return
-        whole = [*trie.path_ids(parent), *ids]
+        path = trie.path(parent)
+        whole = [*itertools.chain.from_iterable(n.ids for n in path), *ids]
+        whole32 = np.asarray(whole, dtype=np.int32)
         start, held = len(whole) - len(ids), 0
         if self.host is not None:
-            starts = [0, *(n.depth for n in trie.path(parent))]
-            held = self._in_host(whole, np.asarray(whole, dtype=np.int32), starts, start, len(whole))[2]
+            held = self._in_host(whole, whole32, [0, *(n.depth for n in path)], start, len(whole))[2]
         if len(ids) - held >= self.min_tokens:
-            self._keep(lambda: whole, len(ids) - held, slots[held:])
+            self._keep(lambda: whole32, len(ids) - held, slots[held:])
 
     def inserted(self, trie: PrefixTrie, node: TrieNode) -> None:
         """The trie stored `node`: a long one is written to disk."""
@@ -130,7 +132,7 @@ class CacheTiers:
         except Exception as e:  # noqa: BLE001 - a cache file not written is no error
             self._warn(e)
 
-    def _keep(self, path_ids: Callable[[], tuple[int, ...]], tokens: int, slots: np.ndarray) -> None:
+    def _keep(self, path_ids: Callable[[], Sequence[int]], tokens: int, slots: np.ndarray) -> None:
         """The K/V of the last `tokens` of the sequence `path_ids()` (from the root), in store `slots`, to the host
         tier (what it lets go to disk), else to disk. Never raises (a warning, once)."""
         try:
