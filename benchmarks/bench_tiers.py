@@ -13,7 +13,9 @@ model loaded before; the call's whole time too. Target: new process <= 1.5x warm
 
 host (GPU): 64 distinct W1-style prefixes (~1,086 tokens) x 64 calls each, in random order, 8 at a time, with a
 device trie budget that holds 8 prefixes; with the host tier (4GB) and without it: token hit rate and q/s; and the
-ceiling a host tier could reach, a device trie that holds every prefix (no tier, nothing evicted).
+ceiling a host tier could reach, a device trie that holds every prefix (no tier, nothing evicted). Each leg's
+steps too: how many prefill and decode steps of how many rows, and the run's timeline (`bench_concurrency.py`:
+before the first step, in steps, between them).
 Random weights of the given shape in bf16 (speed does not depend on weight values).
 
     python benchmarks/bench_tiers.py warm-start [--runs 3]
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_concurrency as BC  # noqa: E402
 import workloads as W  # noqa: E402
 
 
@@ -141,11 +144,14 @@ def host(args) -> None:
         query = lmq.Query(source)
         asyncio.run(query.map(calls[:2 * args.concurrency], concurrency=args.concurrency))  # JIT, graphs
         backend.reset_stats()
+        steps, ended = [], []
+        backend.on_step(lambda step: (steps.append(step), ended.append(time.perf_counter())))
         sync()
         started = time.perf_counter()
         results = asyncio.run(query.map(calls, concurrency=args.concurrency))
         sync()
         seconds = time.perf_counter() - started
+        backend.on_step(None)
         s = backend.stats()
         tiers = backend.tiers
         bandwidth = None if tiers is None else tiers.bandwidth.get("host")
@@ -153,7 +159,8 @@ def host(args) -> None:
         return {"qps": len(calls) / seconds, "seconds": seconds, "bandwidth": bandwidth,
                 "hit": s.token_hit_rate, "host_hits": s.host_hits,
                 "from_host": s.tokens_from_host, "down": s.bytes_to_host, "up": s.bytes_from_host,
-                "evictions": s.evictions, "answers": [r["CLS"] for r in results]}
+                "evictions": s.evictions, "answers": [r["CLS"] for r in results],
+                "steps": steps_line(steps) + "; " + BC.timeline(steps, ended, started, seconds)}
 
     with_host, without, ceiling = measure("4GB"), measure(0), measure(0, held=args.prefixes)
     device = torch.cuda.get_device_name() if args.device == "cuda" else W.cpu_host()
@@ -161,9 +168,12 @@ def host(args) -> None:
           f"{args.prefixes} prefixes x {args.calls} calls, random order, {args.concurrency} at a time, "
           f"device trie budget: {args.held} prefixes")
     print(f"{'':<16} {'q/s':>8} {'hit rate':>9} {'host hits':>9} {'evictions':>9} {'down GB':>8} {'up GB':>8}")
-    for name, r in (("host tier 4GB", with_host), ("no host tier", without), ("all on device", ceiling)):
+    legs = (("host tier 4GB", with_host), ("no host tier", without), ("all on device", ceiling))
+    for name, r in legs:
         print(f"{name:<16} {r['qps']:8.1f} {r['hit']:9.3f} {r['host_hits']:9d} {r['evictions']:9d} "
               f"{r['down'] / 1e9:8.2f} {r['up'] / 1e9:8.2f}")
+    for name, r in legs:
+        print(f"# {name}: {r['steps']}")
     if with_host["bandwidth"]:
         copying = with_host["up"] / with_host["bandwidth"]
         print(f"host -> device at {with_host['bandwidth'] / 1e9:.1f} GB/s (measured on the tier's first load): "
@@ -174,6 +184,15 @@ def host(args) -> None:
           f">= 0.95); answers agree on {same}/{len(calls)}")
     print(f"the host tier's ceiling, a device trie that holds every prefix: {ceiling['qps'] / without['qps']:.2f}x "
           f"the run without the tier; the host tier reaches {with_host['qps'] / ceiling['qps']:.2f} of it")
+
+
+def steps_line(steps: list) -> str:
+    """How many steps of each kind ran, and their mean rows."""
+    out = []
+    for kind in ("prefill", "decode"):
+        rows = [step.batch_size for step in steps if step.kind == kind]
+        out.append(f"{len(rows)} {kind} steps of {sum(rows) / max(len(rows), 1):.1f} rows")
+    return ", ".join(out)
 
 
 def main() -> None:
