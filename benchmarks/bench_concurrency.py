@@ -114,6 +114,14 @@ def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample
     return time.perf_counter() - t
 
 
+def record_steps(backend) -> tuple[list, list[float]]:
+    """The engine's steps from now on (`StepInfo`s) and when each was reported (`time.perf_counter()`), as
+    `timeline` reads them; `backend.on_step(None)` stops the recording."""
+    steps, ended = [], []
+    backend.on_step(lambda step: (steps.append(step), ended.append(time.perf_counter())))
+    return steps, ended
+
+
 def timeline(steps: list, ended: list[float], began: float, seconds: float) -> str:
     """Where a round's wall time went, from its steps (`StepInfo`s, each reported at `ended`, the round
     having begun at `began` and lasted `seconds`): before the first step, in prefill and decode steps, between
@@ -191,8 +199,8 @@ def main() -> None:
         store.peak_used = store.used_slots
         before = store.used_slots
         asyncio.run(run_n(queries, warm))         # warm-up: same N, fills the trie with the prefixes
-        ahead, steps, ended = run_ahead(backend), [], []
-        backend.on_step(lambda step: (steps.append(step), ended.append(time.perf_counter())))
+        ahead = run_ahead(backend)
+        steps, ended = record_steps(backend)
         began = time.perf_counter()
         seconds = asyncio.run(run_n(queries, timed))
         backend.on_step(None)

@@ -144,8 +144,7 @@ def host(args) -> None:
         query = lmq.Query(source)
         asyncio.run(query.map(calls[:2 * args.concurrency], concurrency=args.concurrency))  # JIT, graphs
         backend.reset_stats()
-        steps, ended = [], []
-        backend.on_step(lambda step: (steps.append(step), ended.append(time.perf_counter())))
+        steps, ended = BC.record_steps(backend)
         sync()
         started = time.perf_counter()
         results = asyncio.run(query.map(calls, concurrency=args.concurrency))
