@@ -14,12 +14,15 @@ model loaded before; the call's whole time too. Target: new process <= 1.5x warm
 host (GPU): 64 distinct W1-style prefixes (~1,086 tokens) x 64 calls each, in random order, 8 at a time, with a
 device trie budget that holds 8 prefixes; with the host tier (4GB) and without it: token hit rate and q/s; and the
 ceiling a host tier could reach, a device trie that holds every prefix (no tier, nothing evicted). Each leg's
-steps too: how many prefill and decode steps of how many rows, and the run's timeline (`bench_concurrency.py`:
-before the first step, in steps, between them).
+steps too: how many prefill and decode steps of how many rows (a prefill step's new and cached tokens and its
+mean time), and the run's timeline (`bench_concurrency.py`: before the first step, in steps, between them). With
+`--device-ops`, each leg runs its first calls once more under torch's profiler and prints the device's time by
+operation (kernels and copies, the largest first): where a leg's device time goes.
 Random weights of the given shape in bf16 (speed does not depend on weight values).
 
     python benchmarks/bench_tiers.py warm-start [--runs 3]
     python benchmarks/bench_tiers.py host [--shape llama-1b] [--prefixes 64] [--calls 64] [--concurrency 8]
+                                          [--device-ops]
     (--device cpu --shape smollm2-135m --prefixes 4 --calls 3 --held 1 --concurrency 1: a dry run, float32)
 """
 from __future__ import annotations
@@ -151,6 +154,8 @@ def host(args) -> None:
         sync()
         seconds = time.perf_counter() - started
         backend.on_step(None)
+        ops = device_ops(lambda: asyncio.run(query.map(calls[:8 * args.concurrency], concurrency=args.concurrency))) \
+            if args.device_ops else ""
         s = backend.stats()
         tiers = backend.tiers
         bandwidth = None if tiers is None else tiers.bandwidth.get("host")
@@ -159,7 +164,7 @@ def host(args) -> None:
                 "hit": s.token_hit_rate, "host_hits": s.host_hits,
                 "from_host": s.tokens_from_host, "down": s.bytes_to_host, "up": s.bytes_from_host,
                 "evictions": s.evictions, "answers": [r["CLS"] for r in results],
-                "steps": steps_line(steps) + "; " + BC.timeline(steps, ended, started, seconds)}
+                "steps": steps_line(steps) + "; " + BC.timeline(steps, ended, started, seconds), "ops": ops}
 
     with_host, without, ceiling = measure("4GB"), measure(0), measure(0, held=args.prefixes)
     device = torch.cuda.get_device_name() if args.device == "cuda" else W.cpu_host()
@@ -173,6 +178,8 @@ def host(args) -> None:
               f"{r['down'] / 1e9:8.2f} {r['up'] / 1e9:8.2f}")
     for name, r in legs:
         print(f"# {name}: {r['steps']}")
+        if r["ops"]:
+            print(f"#   device time by operation ({8 * args.concurrency} calls more): {r['ops']}")
     if with_host["bandwidth"]:
         copying = with_host["up"] / with_host["bandwidth"]
         print(f"host -> device at {with_host['bandwidth'] / 1e9:.1f} GB/s (measured on the tier's first load): "
@@ -186,12 +193,33 @@ def host(args) -> None:
 
 
 def steps_line(steps: list) -> str:
-    """How many steps of each kind ran, and their mean rows."""
+    """How many steps of each kind ran, and their mean rows (a prefill step's new and cached tokens and time too)."""
     out = []
     for kind in ("prefill", "decode"):
-        rows = [step.batch_size for step in steps if step.kind == kind]
-        out.append(f"{len(rows)} {kind} steps of {sum(rows) / max(len(rows), 1):.1f} rows")
+        mine = [step for step in steps if step.kind == kind]
+        n = max(len(mine), 1)
+        line = f"{len(mine)} {kind} steps of {sum(step.batch_size for step in mine) / n:.1f} rows"
+        if kind == "prefill":
+            line += (f" ({sum(step.new_tokens for step in mine) / n:.0f} new tokens, "
+                     f"{sum(step.cached_tokens for step in mine) / n:.0f} cached, "
+                     f"{sum(step.seconds for step in mine) / n * 1e3:.1f} ms a step)")
+        out.append(line)
     return ", ".join(out)
+
+
+def device_ops(run, top: int = 8) -> str:
+    """The device's time while `run()` runs, by operation (torch's profiler, CUDA activity: kernels and copies),
+    the `top` largest and the total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ops = sorted(((getattr(e, "self_device_time_total", 0), e.key) for e in prof.key_averages()), reverse=True)
+    total = sum(t for t, _ in ops)
+    shown = "; ".join(f"{name[:48]} {t / 1e3:.0f} ms" for t, name in ops[:top] if t > 0)
+    return f"{total / 1e3:.0f} ms in all: {shown}"
 
 
 def main() -> None:
@@ -211,6 +239,8 @@ def main() -> None:
     h.add_argument("--concurrency", type=int, default=8)
     h.add_argument("--held", type=int, default=8, help="prefixes the device trie's budget holds")
     h.add_argument("--device", default="cuda")
+    h.add_argument("--device-ops", action="store_true",
+                   help="each leg's first calls once more under the profiler: the device's time by operation (GPU)")
     h.set_defaults(func=host)
     args = ap.parse_args()
     args.func(args)
