@@ -122,6 +122,25 @@ def record_steps(backend) -> tuple[list, list[float]]:
     return steps, ended
 
 
+def triton_compiles():
+    """A counter of the Triton kernel variants compiled (or loaded from Triton's disk cache) from now on in this
+    process: a function that returns the count (None where this Triton has no hook for it). A timed run that meets
+    variants its warm-up did not pays for them (a fresh machine's first process compiles each)."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        before = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return lambda: None
+    count = [0]
+
+    def hook(*args, **kwargs):
+        count[0] += 1
+        return before(*args, **kwargs) if before else None
+    runtime.jit_post_compile_hook = hook
+    return lambda: count[0]
+
+
 def timeline(steps: list, ended: list[float], began: float, seconds: float) -> str:
     """Where a round's wall time went, from its steps (`StepInfo`s, each reported at `ended`, the round
     having begun at `began` and lasted `seconds`): before the first step, in prefill and decode steps, between

@@ -15,9 +15,10 @@ host (GPU): 64 distinct W1-style prefixes (~1,086 tokens) x 64 calls each, in ra
 device trie budget that holds 8 prefixes; with the host tier (4GB) and without it: token hit rate and q/s; and the
 ceiling a host tier could reach, a device trie that holds every prefix (no tier, nothing evicted). Each leg's
 steps too: how many prefill and decode steps of how many rows (a prefill step's new and cached tokens and its
-mean time), and the run's timeline (`bench_concurrency.py`: before the first step, in steps, between them). With
-`--device-ops`, each leg runs its first calls once more under torch's profiler and prints the device's time by
-operation (kernels and copies, the largest first): where a leg's device time goes.
+mean time), the run's timeline (`bench_concurrency.py`: before the first step, in steps, between them), and the
+Triton kernel variants compiled during it (those its warm-up did not meet: a fresh machine's first process
+compiles each, inside the timed run). With `--device-ops`, each leg runs its first calls once more under torch's
+profiler and prints the device's time by operation (kernels and copies, the largest first).
 Random weights of the given shape in bf16 (speed does not depend on weight values).
 
     python benchmarks/bench_tiers.py warm-start [--runs 3]
@@ -148,23 +149,26 @@ def host(args) -> None:
         asyncio.run(query.map(calls[:2 * args.concurrency], concurrency=args.concurrency))  # JIT, graphs
         backend.reset_stats()
         steps, ended = BC.record_steps(backend)
+        compiles = BC.triton_compiles()
         sync()
         started = time.perf_counter()
         results = asyncio.run(query.map(calls, concurrency=args.concurrency))
         sync()
         seconds = time.perf_counter() - started
         backend.on_step(None)
-        ops = device_ops(lambda: asyncio.run(query.map(calls[:8 * args.concurrency], concurrency=args.concurrency))) \
-            if args.device_ops else ""
+        compiled = compiles()
         s = backend.stats()
         tiers = backend.tiers
         bandwidth = None if tiers is None else tiers.bandwidth.get("host")
+        ops = device_ops(lambda: asyncio.run(query.map(calls[:8 * args.concurrency], concurrency=args.concurrency))) \
+            if args.device_ops else ""  # (after the stats: they are the timed run's)
         backend.close()
         return {"qps": len(calls) / seconds, "seconds": seconds, "bandwidth": bandwidth,
                 "hit": s.token_hit_rate, "host_hits": s.host_hits,
                 "from_host": s.tokens_from_host, "down": s.bytes_to_host, "up": s.bytes_from_host,
                 "evictions": s.evictions, "answers": [r["CLS"] for r in results],
-                "steps": steps_line(steps) + "; " + BC.timeline(steps, ended, started, seconds), "ops": ops}
+                "steps": steps_line(steps) + "; " + BC.timeline(steps, ended, started, seconds)
+                + ("" if compiled is None else f"; Triton kernels compiled in it: {compiled}"), "ops": ops}
 
     with_host, without, ceiling = measure("4GB"), measure(0), measure(0, held=args.prefixes)
     device = torch.cuda.get_device_name() if args.device == "cuda" else W.cpu_host()
