@@ -19,7 +19,11 @@ nothing else) that acts only when LMQL's own modules are imported:
     times a call, and once more for each side of every comparison of two sets) asks its boolean mask
     whether any or all of it is set, instead of summing all of the vocabulary's entries (`mask.sum()`: ~15
     us a comparison against ~1: ~40% of LMQL's client time a W1 call): the same answers
-    (`_patch_token_sets`).
+    (`_patch_token_sets`);
+  - `lmql.language.qstrings`: LMQL's prompt parser moves over plain text one character at a time, each step
+    copying the rest of the prompt (`self.s = self.s[n:]`: quadratic, ~3 ms for a 4,600-character few-shot
+    prompt); a run of plain text now goes in one step, to the next "[" (or "{" where the parser reads
+    f-expressions): the same statements (`_patch_qstrings`).
 
 LMQ_LMQL_HOOK=0 turns the .pth file's hook off; `import lmq_backend.lmql.plugin` installs it anyway.
 """
@@ -96,11 +100,36 @@ def _patch_token_sets(module) -> None:
     cls.__eq__ = __eq__
 
 
+def _patch_qstrings(module) -> None:
+    cls = module.QstringParser
+    skip = cls.skip
+    if getattr(skip, "_lmq", False):
+        return
+
+    def fast_skip(self, n, swallow=False):
+        # LMQL's parse() skips one plain character of text at a time (in its "string" state, the only
+        # skip(1) that keeps what it skips there); the characters up to the next one that parse() treats
+        # otherwise ("[", and "{" in mode "all") would each be skipped the same way
+        if n == 1 and not swallow and self.state == "string":
+            text = self.s
+            end = text.find("[", 1)
+            if self.mode == "all":
+                brace = text.find("{", 1)
+                if brace != -1 and (end == -1 or brace < end):
+                    end = brace
+            n = len(text) if end == -1 else end
+        return skip(self, n, swallow)
+
+    fast_skip._lmq, fast_skip.lmqls_own = True, skip
+    cls.skip = fast_skip
+
+
 PATCHES = {
     "lmql.runtime.tokenizer": _patch_tokenizer,
     "lmql.models.lmtp.backends.lmtp_model": _patch_registry,
     "lmql.models.lmtp.lmtp_dcmodel": _patch_processes,
     "lmql.ops.token_set": _patch_token_sets,
+    "lmql.language.qstrings": _patch_qstrings,
 }
 TRANSFORMERS_BACKEND = "lmql.models.lmtp.backends.transformers_model"  # deferred: see _Deferred
 
