@@ -87,14 +87,20 @@ async def run_n(queries, calls: list[tuple[int, dict]]) -> float:
     return time.perf_counter() - t
 
 
-def device_seconds(run) -> float:
-    """The device's kernel and copy time while `run()` runs (torch's profiler, CUDA activity only)."""
+def device_times(run) -> list[tuple[float, str]]:
+    """The device's time while `run()` runs, by operation (torch's profiler, CUDA activity only: kernels and
+    copies): (microseconds, name) pairs, the largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e6
+    return sorted(((getattr(e, "self_device_time_total", 0), e.key) for e in prof.key_averages()), reverse=True)
+
+
+def device_seconds(run) -> float:
+    """The device's kernel and copy time while `run()` runs."""
+    return sum(t for t, _ in device_times(run)) / 1e6
 
 
 def hf_generate(model, tokenizer, prompts: list[str], device, chunk: int, sample: bool = False) -> float:
@@ -123,9 +129,10 @@ def record_steps(backend) -> tuple[list, list[float]]:
 
 
 def triton_compiles():
-    """A counter of the Triton kernel variants compiled (or loaded from Triton's disk cache) from now on in this
-    process: a function that returns the count (None where this Triton has no hook for it). A timed run that meets
-    variants its warm-up did not pays for them (a fresh machine's first process compiles each)."""
+    """Count the Triton kernel variants compiled (or loaded from Triton's disk cache) in this process from now on:
+    returns a function that stops counting (the hook there before is back) and gives the count (None where this
+    Triton has no hook for it). A timed run that meets variants its warm-up did not pays for them (a fresh
+    machine's first process compiles each)."""
     try:
         from triton import knobs
         runtime = knobs.runtime
@@ -137,8 +144,13 @@ def triton_compiles():
     def hook(*args, **kwargs):
         count[0] += 1
         return before(*args, **kwargs) if before else None
+
+    def stop() -> int:
+        if runtime.jit_post_compile_hook is hook:
+            runtime.jit_post_compile_hook = before
+        return count[0]
     runtime.jit_post_compile_hook = hook
-    return lambda: count[0]
+    return stop
 
 
 def timeline(steps: list, ended: list[float], began: float, seconds: float) -> str:

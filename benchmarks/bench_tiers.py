@@ -149,7 +149,7 @@ def host(args) -> None:
         asyncio.run(query.map(calls[:2 * args.concurrency], concurrency=args.concurrency))  # JIT, graphs
         backend.reset_stats()
         steps, ended = BC.record_steps(backend)
-        compiles = BC.triton_compiles()
+        compiles = BC.triton_compiles()  # (until read)
         sync()
         started = time.perf_counter()
         results = asyncio.run(query.map(calls, concurrency=args.concurrency))
@@ -212,15 +212,9 @@ def steps_line(steps: list) -> str:
 
 
 def device_ops(run, top: int = 8) -> str:
-    """The device's time while `run()` runs, by operation (torch's profiler, CUDA activity: kernels and copies),
-    the `top` largest and the total."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    ops = sorted(((getattr(e, "self_device_time_total", 0), e.key) for e in prof.key_averages()), reverse=True)
+    """The device's time while `run()` runs (`bench_concurrency.device_times`): the total and the `top` largest
+    operations."""
+    ops = BC.device_times(run)
     total = sum(t for t, _ in ops)
     shown = "; ".join(f"{name[:48]} {t / 1e3:.0f} ms" for t, name in ops[:top] if t > 0)
     return f"{total / 1e3:.0f} ms in all: {shown}"
