@@ -35,11 +35,22 @@ import sys
 PREFIX = "lmq:"
 
 
-def _patch_tokenizer(module) -> None:
-    load = module._load_tokenizer
-    if getattr(load, "_lmq", False):
+def _wrap(owner, name: str, make) -> None:
+    """Replace `owner.name` with `make(it)` (a function that may call LMQL's own, kept on it as `lmqls_own`),
+    once: a replacement already there is left."""
+    own = getattr(owner, name)
+    if getattr(own, "_lmq", False):
         return
+    replacement = make(own)
+    replacement._lmq, replacement.lmqls_own = True, own
+    setattr(owner, name, replacement)
 
+
+def _patch_tokenizer(module) -> None:
+    _wrap(module, "_load_tokenizer", lambda load: _tokenizer_loader(module, load))
+
+
+def _tokenizer_loader(module, load):
     def _load_tokenizer(model_identifier, type, **kwargs):
         if isinstance(model_identifier, str) and model_identifier.startswith(PREFIX):
             from .plugin import tokenizer_dir
@@ -50,9 +61,7 @@ def _patch_tokenizer(module) -> None:
             if impl is not None:  # without transformers (and torch) in LMQL's process
                 return module.LMQLTokenizer(model_identifier, tokenizer_impl=impl)
         return load(model_identifier, type, **kwargs)
-
-    _load_tokenizer._lmq = True
-    module._load_tokenizer = _load_tokenizer
+    return _load_tokenizer
 
 
 def _patch_registry(module) -> None:
@@ -64,10 +73,10 @@ def _patch_registry(module) -> None:
 
 
 def _patch_processes(module) -> None:
-    factory = module.lmtp_model.inprocess_client_constructor_factory
-    if getattr(factory, "_lmq", False):
-        return
+    _wrap(module.lmtp_model, "inprocess_client_constructor_factory", _client_factory)
 
+
+def _client_factory(factory):
     def inprocess_client_constructor_factory(self, identifier, **kwargs):
         if identifier.startswith(PREFIX) and not self.async_transport:
             from .process import handle_or_none
@@ -76,17 +85,14 @@ def _patch_processes(module) -> None:
             if handle is not None:
                 return handle
         return factory(self, identifier, **kwargs)
-
-    inprocess_client_constructor_factory._lmq = True
-    module.lmtp_model.inprocess_client_constructor_factory = inprocess_client_constructor_factory
+    return inprocess_client_constructor_factory
 
 
 def _patch_token_sets(module) -> None:
-    cls = module.TokenSetConcrete
-    eq = cls.__eq__
-    if getattr(eq, "_lmq", False):
-        return
+    _wrap(module.TokenSetConcrete, "__eq__", _token_set_eq)
 
+
+def _token_set_eq(eq):
     def __eq__(self, other):
         mask = self.mask
         if type(other) is str and getattr(mask, "dtype", None) == bool and mask.ndim == 1:
@@ -95,17 +101,14 @@ def _patch_token_sets(module) -> None:
             if other == "*":  # (LMQL: mask.sum() == mask.shape[0])
                 return bool(mask.all())
         return eq(self, other)
-
-    __eq__._lmq, __eq__.lmqls_own = True, eq
-    cls.__eq__ = __eq__
+    return __eq__
 
 
 def _patch_qstrings(module) -> None:
-    cls = module.QstringParser
-    skip = cls.skip
-    if getattr(skip, "_lmq", False):
-        return
+    _wrap(module.QstringParser, "skip", _qstring_skip)
 
+
+def _qstring_skip(skip):
     def fast_skip(self, n, swallow=False):
         # LMQL's parse() skips one plain character of text at a time (in its "string" state, the only
         # skip(1) that keeps what it skips there); the characters up to the next one that parse() treats
@@ -119,9 +122,7 @@ def _patch_qstrings(module) -> None:
                     end = brace
             n = len(text) if end == -1 else end
         return skip(self, n, swallow)
-
-    fast_skip._lmq, fast_skip.lmqls_own = True, skip
-    cls.skip = fast_skip
+    return fast_skip
 
 
 PATCHES = {
