@@ -4,6 +4,9 @@
       same 20 calls one after another through lmq, and HF `generate` on one left-padded batch of the 20 prompts.
   W2: 8 concurrent 6-turn chats: total time, against the 8 chats one after another through lmq, and HF
       `generate` on a left-padded batch of the 8 histories each turn.
+  W3: self-consistency: W1's prompt sampled 8 times a call (`sample(n=8)`: a label, then a reason of up to 12
+      tokens), calls one after another: time a call, against HF `generate(do_sample=True,
+      num_return_sequences=8)` of as many tokens on the same prompt (two calls of it).
 
     python benchmarks/bench_batching.py                       # CPU, the default model (SmolLM2-135M)
     python benchmarks/bench_batching.py --first-run           # W1's first concurrent run of a new process
@@ -106,6 +109,41 @@ def w1(backend, calls: int, first_run: bool = False, peer: bool = True) -> None:
     print(f"  lmq steps: {[(s.kind, s.batch_size, s.new_tokens) for s in steps]}")
 
 
+def w3(backend, calls: int, peer: bool = True) -> None:
+    shots = W.w1_shots()
+    q = lmq.Query(W.W3_QUERY, model=backend)
+    asyncio.run(q.run({"shots": shots, "review": "warm-up"}))
+    reviews = W.w1_reviews(calls, seed=4)
+    steps = []
+
+    async def calls_one_after_another():
+        for r in reviews:
+            steps.clear()
+            await q.run({"shots": shots, "review": r})
+
+    backend.on_step(steps.append)
+    t_lmq = timed(calls_one_after_another) / calls
+    backend.on_step(None)
+    new_tokens = 1 + len(backend.vocab.encode(", because")) + W.W3_REASON_TOKENS
+    t_hf = float("nan")
+    if peer:
+        model = W.plain_model(backend.model)
+        encode = backend.vocab.encode
+        peer_reviews = reviews[:2]  # (it prefills the whole prompt 8 times a call: seconds a call on a CPU)
+        t = time.perf_counter()
+        for r in peer_reviews:
+            ids = torch.tensor([encode(shots + "Review: " + r + "\nSentiment:")], device=model.device)
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.8,
+                               num_return_sequences=W.W3_SAMPLES, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, pad_token_id=0)
+        t_hf = (time.perf_counter() - t) / len(peer_reviews)
+    print(f"\nW3, {calls} self-consistency calls one after another, {W.W3_SAMPLES} samples each (seconds a call)")
+    print(f"  lmq                   {t_lmq:8.4f}")
+    print(f"  HF generate, {W.W3_SAMPLES} sequences {t_hf:8.4f}   ({t_hf / t_lmq:.1f}x slower; {new_tokens} tokens each)")
+    print(f"  lmq steps of the last call: {[(s.kind, s.batch_size, s.new_tokens) for s in steps]}")
+
+
 def cpu_choices() -> dict:
     from lmq_kernels import cpu
 
@@ -189,7 +227,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="W2: rounds of one after another and at once, alternating")
     ap.add_argument("--first-run", action="store_true",
                     help="W1 without the warm-up rounds before its concurrent run (the backend's own warm-up only)")
-    ap.add_argument("--only", choices=("w1", "w2"), default=None)
+    ap.add_argument("--only", choices=("w1", "w2", "w3"), default=None)
     ap.add_argument("--no-peer", action="store_true", help="skip HF generate (the peer) for a quick run")
     args = ap.parse_args()
     if args.random and args.tokenizer is None:
@@ -203,10 +241,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.device}, {args.random or args.model}, {args.dtype}, "
           f"fused decode: {backend.runner.fused}"
           + (f", CPU {W.cpu_host()}" if args.device == "cpu" else ""))
-    if args.only != "w2":
+    if args.only in (None, "w1"):
         w1(backend, args.calls, args.first_run, not args.no_peer)
-    if args.only != "w1":
+    if args.only in (None, "w2"):
         w2(backend, args.rounds, not args.no_peer)
+    if args.only in (None, "w3"):
+        w3(backend, args.calls // 2, not args.no_peer)
 
 
 if __name__ == "__main__":

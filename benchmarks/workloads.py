@@ -3,6 +3,7 @@
 W1: few-shot classification: a ~1,100-token prompt of 40 labeled reviews, then a new review and a 3-way
 choice; 20 calls with different new reviews.
 W2: a 6-turn chat whose history grows from ~380 to ~660 tokens, with at most 24 new tokens a turn.
+W3: self-consistency: W1's prompt sampled 8 times a call (`sample(n=8)`), a label and a short reason each.
 """
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ where CLS in [" positive", " negative", " neutral"]
 '''
 
 W1_OPTIONS = [" positive", " negative", " neutral"]
+
+W3_SAMPLES = 8
+W3_REASON_TOKENS = 12
+W3_QUERY = f'''sample(n={W3_SAMPLES}, temperature=0.8)
+    "{{shots}}Review: {{review}}\\nSentiment:[CLS], because[WHY]"
+from "default"
+where CLS in [" positive", " negative", " neutral"] and len(TOKENS(WHY)) <= {W3_REASON_TOKENS}
+'''
 
 
 def w1_shots(n: int = 40, seed: int = 0) -> str:

@@ -9,6 +9,7 @@ recently used first), `evictable_bytes` / `protected_bytes`. The nodes and their
 A request holds a `Pin`: the node covering the prefix it reads, locked while it does. Its lifecycle:
 
     slots, cached, loads = cache.lookup(pin, ids, limit)  # match, and move the pin to the match: its page table
+    slots = cache.find(pin, ids)                    # all of ids in the trie (else None): the pin moved there
     cache.extend(pin, ids, slots)                   # insert what it computed under its pin; the pin follows
     cache.release(pin)                              # done (finished, failed or cancelled): unlock
     copy = cache.fork(pin)                          # a second pin on the same node (a beam's copy)
@@ -144,6 +145,15 @@ class PrefixCache:
                                                   len(ids) if limit is None else limit, list(staged))
         self.move(pin, node)
         return self.trie.path_slots(node), cached + (loads.tokens if loads else 0), loads
+
+    def find(self, pin: Pin, ids: Sequence[int]) -> np.ndarray | None:
+        """The trie's page table of all of `ids`, the pin moved there; None where the trie does not hold them all
+        (the pin stays). (A request whose whole prompt another one has just stored, joining on its K/V.)"""
+        node, n = self.trie.match(ids)
+        if n < len(ids):
+            return None
+        self.move(pin, node)
+        return self.trie.path_slots(node)
 
     def extend(self, pin: Pin, ids: Sequence[int], slots: np.ndarray) -> bool:
         """Insert `ids` (with their K/V `slots`) after the pin's prefix, and move the pin to them; False where

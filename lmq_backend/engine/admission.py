@@ -6,7 +6,9 @@ looks up, runs and requeues.
 read limits.
 
 The longest cached prefix goes first (its rows compute least); a request whose new tokens begin with a long
-prefix that a chosen one will compute waits for the trie instead (the shared part is computed once); a request
+prefix that a chosen one will compute waits for the trie instead (the shared part is computed once), and one
+whose whole prompt a chosen one computes (`sample(n=...)`'s runs, a repeated call) follows it: it joins the
+running batch after that prefill, on the K/V the trie then holds and on the same logits; a request
 is admitted while the store has slots for its new tokens and room for the running rows to grow
 (`DECODE_RESERVE` a row), else it waits for rows to leave (alone, with no running rows, it is tried anyway: a
 failure then says how much it needs). Only the first arrivals are looked up in the trie (`window`): those not
@@ -53,6 +55,7 @@ class Waiting:
     part: int | None = None         # the new tokens this step takes: all (None) or the first `part`
     most: int | None = None         # the most new tokens a part may take (halved by out-of-memory errors)
     started: bool = False           # parts ran: `row.slots` holds slots of its own (ROW), not only the trie's
+    leader: Waiting | None = None   # a chosen request of the same whole prompt, whose K/V and logits it takes
 
     def step_row(self) -> PrefillRow:
         """The row this step prefills: the whole row, or its first `part` new tokens."""
@@ -72,33 +75,42 @@ class Waiting:
 
 
 def select(ready: list[Waiting], seats: int, room: int, running: bool, max_tokens: int,
-           read_limit: int | None, max_part: int | None = None) -> list[Waiting]:
+           read_limit: int | None, max_part: int | None = None, cached: bool = True) -> list[Waiting]:
     """Of the `ready` requests (looked up: `row` set), those to prefill now: at most `seats`, their new tokens
     at most `max_tokens` and the columns their attention reads (cached + new) at most `read_limit` (None: no
     limit) together (a first one alone passes the read limit; a prompt of more new tokens than `max_tokens`,
     its `most` or, while rows are `running`, `max_part` is chosen alone and prefills a part: `Waiting.part`),
     each needing its new tokens + AHEAD + DECODE_RESERVE of the `room` free slots unless it is the only one
-    and no rows are `running`."""
+    and no rows are `running`. A request whose whole prompt is a chosen one's is not chosen but follows it
+    (`Waiting.leader` set: a seat, and room for its next tokens), to join the batch on its K/V and logits.
+    `cached`: does the prefix cache keep what a prefill computes (False: none of this waiting, nothing to find)?"""
     ready = list(ready)
     ready.sort(key=lambda w: (not w.started, -w.row.cached))
     chosen: list[Waiting] = []
     tokens = read = 0
     starts: dict[tuple[int, int], list[Waiting]] = {}
+    followers = 0
     for w in ready:
-        if len(chosen) >= seats:
+        if len(chosen) + followers >= seats:
             break
         # a chosen request whose new tokens start the same way (the same first new token at the same cached
         # length: a dict lookup, then the exact check against those few)
         key = (w.row.cached, w.request.ids[w.row.cached] if w.row.cached < len(w.request.ids) else -1)
-        shares = False
-        for c in starts.get(key, ()):
+        shares = None
+        for c in starts.get(key, ()) if cached else ():
             if shares_new_prefix(w, c):
-                shares = True
+                shares = c
                 break
+        if shares is not None:  # it waits for the trie; where it is the same whole prompt, it follows (a seat)
+            if not w.started and w.request.ids == shares.request.ids and AHEAD + DECODE_RESERVE <= room:
+                w.leader = shares
+                followers += 1
+                room -= AHEAD + DECODE_RESERVE
+            continue
         most = min(max_tokens, (running and max_part) or max_tokens, w.most or max_tokens)
         part = most if len(w.row.ids) > most else None  # a long prompt: its next part, alone
-        if shares or (chosen and (part is not None or tokens + len(w.row.ids) > max_tokens
-                                  or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit))):
+        if chosen and (part is not None or tokens + len(w.row.ids) > max_tokens
+                       or (read_limit is not None and read + w.row.cached + len(w.row.ids) > read_limit)):
             continue
         new = part or len(w.row.ids)
         need = new + w.row.cached - len(w.row.slots) + AHEAD + DECODE_RESERVE  # (and slots for its loads)

@@ -216,8 +216,11 @@ def numbering(masks) -> dict[int, int]:
     return {id(m): k for k, m in reversed(list(enumerate(masks or ())))}
 
 
-def per_row(pick, logits: torch.Tensor, asks: list) -> dict:
-    """A step's picks for the rows that asked for one (`asks[i]` not None: a `Draw`, `Choices`), by row, made
-    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`)."""
-    pairs = [(i, a) for i, a in enumerate(asks) if a is not None]
-    return dict(zip((i for i, _ in pairs), pick(logits, pairs))) if pairs else {}
+def per_row(pick, logits: torch.Tensor, asks: list, rows: list[int] | None = None) -> dict:
+    """A step's picks for the rows that asked for one (`asks[k]` not None: a `Draw`, `Choices`), by k, made
+    for all of them at once by `pick(logits, [(row, ask), ...])` (`ModelRunner.sample`, `ModelRunner.choose`);
+    ask k is on row rows[k] of `logits` (None: row k; asks may share a row)."""
+    pairs = [(k, a) for k, a in enumerate(asks) if a is not None]
+    if not pairs:
+        return {}
+    return dict(zip((k for k, _ in pairs), pick(logits, pairs if rows is None else [(rows[k], a) for k, a in pairs])))

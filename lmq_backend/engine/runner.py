@@ -245,21 +245,21 @@ class ModelRunner:
         return choose(_rows(logits, [i for i, _ in asks]), [a for _, a in asks])
 
     def sample(self, logits: torch.Tensor, draws: list[tuple[int, Draw]]) -> list[int]:
-        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs): the device's
-        where the step sampled the row with that draw, else a few ops for all the others, one copy to the
-        host."""
-        out: dict[int, int] = {}
+        """The samples of the rows of a step's logits [B, V] that gave a draw ((row, draw) pairs; a row may
+        come in more than one, with draws of its own): the device's where the step sampled the row with that
+        draw, else a few ops for all the others, one copy to the host."""
+        out: list[int | None] = [None] * len(draws)
         if self._sampled is not None:
-            for i, d in draws:
+            for k, (i, d) in enumerate(draws):
                 pick = self._device_draw(d)
-                token = None if pick is None else self._sampled.sampled(i, *pick[:3])
-                if token is not None:
-                    out[i] = token
-        rest = [(i, d) for i, d in draws if i not in out]
+                if pick is not None:
+                    out[k] = self._sampled.sampled(i, *pick[:3])
+        rest = [k for k, token in enumerate(out) if token is None]
         if rest:
-            rows = [i for i, _ in rest]
-            out.update(zip(rows, sample(_rows(logits, rows), [d for _, d in rest]).tolist()))
-        return [out[i] for i, _ in draws]
+            tokens = sample(_rows(logits, [draws[k][0] for k in rest]), [draws[k][1] for k in rest]).tolist()
+            for k, token in zip(rest, tokens):
+                out[k] = token
+        return out
 
     def _greedy_picks(self, logits: torch.Tensor):
         """`picks(k, row)`: the greedy pick of each row of `logits` [B, V] under each greedy mask (None without

@@ -75,6 +75,7 @@ class Scheduler:
         self._prefill_seconds = 0.0  # a recent prefill step's duration (a moving average: `_joins_now`)
         self._prefilled = 0.0        # when the last one ended (time.perf_counter())
         self._join_timer: asyncio.TimerHandle | None = None  # wakes the loop when waiting prefills are due
+        self._followers: list[Waiting] = []  # waiting requests that follow one this step prefills (`_follow`)
         self.closed = False  # (`close`)
 
     # ----- the queries' side ----------------------------------------------------------------------------
@@ -250,17 +251,19 @@ class Scheduler:
         looked up in the prefix cache, a cache-aware set of them within the seats, slots and limits
         (`admission.select`)."""
         seats = self.runner.max_batch - len(self.rows)  # rows the decode batch may still take (compacted: all live)
-        chosen = []
+        chosen, self._followers = [], []
         if seats > 0:
             read_limit = self.max_prefill_read if self.max_prefill_read is not None else self.runner.prefill_read_limit
             ready = admission.window(self.waiting, seats + admission.SELECT_MARGIN, read_limit)
             for w in ready:
-                w.part = None
+                w.part = w.leader = None
                 if not w.started:  # (a prompt prefilled in parts keeps its row: the parts done are its cached prefix)
                     w.row = self._lookup(w.request)
             room = self.store.available() - DECODE_RESERVE * len(self.rows)
             part = self.max_part_tokens if self.max_part_tokens is not None else self.runner.prefill_part
-            chosen = admission.select(ready, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit, part)
+            chosen = admission.select(ready, seats, room, bool(self.rows), self.max_prefill_tokens, read_limit, part,
+                                      self.cache.budget_bytes > 0)
+            self._followers = [w for w in ready if w.leader is not None]
         if not chosen:  # (the done ones are dropped when some are chosen: a pass over every waiting request)
             return chosen
         chosen_set, kept, done = set(map(id, chosen)), [], []
@@ -396,11 +399,17 @@ class Scheduler:
 
     async def _join(self, batch: list[Waiting], logits: torch.Tensor, slots: list[int], started: float) -> None:
         """The prefilled rows join the running batch: each request's pick made, what it computed stored in the
-        prefix cache, its query woken."""
+        prefix cache, its query woken; then the requests that follow them (`_follow`)."""
         try:
             await self._device_done()
-            drawn = per_row(self.runner.sample, logits, [w.request.draw for w in batch])
-            chosen = per_row(self.runner.choose, logits, [w.request.choices for w in batch])
+            leaders = {id(w): i for i, w in enumerate(batch)}
+            followers = [(w, leaders[id(w.leader)]) for w in self._followers
+                         if id(w.leader) in leaders and not w.future.done()]
+            # the followers' picks (their own draws, on their leader's logits) with the leaders', at once
+            asks = [w.request for w in batch] + [w.request for w, _ in followers]
+            rows_of = list(range(len(batch))) + [i for _, i in followers]
+            drawn = per_row(self.runner.sample, logits, [r.draw for r in asks], rows_of)
+            chosen = per_row(self.runner.choose, logits, [r.choices for r in asks], rows_of)
             self._prefilled = time.perf_counter()
             self._prefill_seconds = (self._prefill_seconds + self._prefilled - started) / 2
             self._report("prefill", len(batch), sum(len(w.row.ids) for w in batch),
@@ -425,6 +434,38 @@ class Scheduler:
                 w.future.set_exception(e)
                 continue
             w.future.set_result((row_logits, row))
+        if followers:
+            self._follow([(w, i, drawn.get(k), chosen.get(k)) for k, (w, i) in enumerate(followers, len(batch))],
+                         logits, picks)
+
+    def _follow(self, followers: list[tuple[Waiting, int, int | None, tuple | None]], logits: torch.Tensor,
+                picks) -> None:
+        """Waiting requests whose whole prompt a request of this step computed (`Waiting.leader`: its row `i` of
+        the step's `logits`) join the batch without a prefill of their own: on the K/V the trie now holds (their
+        pins moved there) and the leader's logits, with their own picks (`drawn`, `chosen`). Where the trie does
+        not hold it all (the leader's were not stored: cancelled, no room) or the store has no slots for a row's
+        next columns, the request stays waiting and is prefilled as any other."""
+        joined = set()
+        self.pool.make_room(self.pool.rows + len(followers), max(len(w.request.ids) for w, *_ in followers), AHEAD)
+        for w, i, drawn, chosen in followers:
+            ids = w.request.ids
+            slots = self.cache.find(w.request.pin, ids)
+            if slots is None:
+                continue
+            slot = self.pool.add_rows([len(ids)])[0]
+            try:
+                self.pool.set_row(slot, slots, 0)
+            except OutOfSlots:
+                self.pool.remove_row(slot)
+                continue
+            row = Row(slot=slot, joined=self._joined, picks=picks, index=i, drawn=drawn, chosen=chosen)
+            self._joined += 1
+            self.batch.join([row])
+            w.request.cached = len(ids)
+            joined.add(id(w))
+            w.future.set_result((logits[i], row))
+        if joined:
+            self.waiting = [w for w in self.waiting if id(w) not in joined]
 
     def _store(self, request: PrefillRequest, row: Row) -> None:
         """What the request computed (or loaded into slots of its own) of ids[:stored] goes to the prefix cache,

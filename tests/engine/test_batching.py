@@ -66,11 +66,36 @@ async def test_sample_n_runs_as_rows_sharing_the_prefix(make_backend):
     assert len(results) == 4
     decodes = [s for s in steps if s.kind == "decode"]
     assert decodes and max(s.batch_size for s in decodes) == 4
-    # The prompt is computed once: three of the four rows wait for the trie and then reuse it.
+    # The prompt is computed once, in one prefill of one row: the three other runs follow it (their rows join
+    # the batch on the K/V the trie then holds and on its logits), with no prefill step of their own.
     prompt = len(backend.vocab.encode("A long shared prompt for sampling, repeated."))
-    assert backend.stats().tokens_prefilled < 2 * prompt
+    assert [(s.kind, s.batch_size) for s in steps[:2]] == [("prefill", 1), ("decode", 4)]
+    stats = backend.stats()
+    assert stats.tokens_requested == 4 * prompt
+    assert stats.tokens_prefilled == prompt and stats.tokens_reused == 3 * prompt
     again = await q()
     assert [r.variables for r in again] == [r.variables for r in results]
+    # each run draws its own samples: the same as where every run prefills its own prompt (no trie to follow)
+    alone = lmq.compile(q.source, model=make_backend("llama", cache_budget=0))
+    assert [r.variables for r in await alone()] == [r.variables for r in results]
+
+
+@pytest.mark.parametrize("budget", ["64MB", 0])
+async def test_calls_of_one_prompt_at_once_follow_one_prefill_and_match_alone(make_backend, budget):
+    """Concurrent calls whose whole prompt is the same follow the one that computes it (without a trie, all
+    prefill at once, as none waits for what no trie keeps); every call's values are what it gets alone."""
+    expected = await reference(make_backend, "llama", [1, 2, 5])
+    backend = make_backend("llama", cache_budget=budget)
+    steps = []
+    backend.on_step(steps.append)
+    q = lmq.Query(SRC, model=backend)
+    items = [1, 1, 1, 2, 2, 5, 1, 2]
+    got = await asyncio.gather(*(q.run(inputs(i)) for i in items))
+    assert [r.variables for r in got] == [expected[[1, 2, 5].index(i)] for i in items]
+    first = [s for s in steps if s.kind == "prefill"][0]
+    assert first.batch_size == (3 if budget else len(items))
+    assert backend.scheduler.pool.rows == 0 and not backend.scheduler.waiting
+    assert backend.trie.pinned_nodes() == 0
 
 
 def sample_calls(monkeypatch) -> list[int]:

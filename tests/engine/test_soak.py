@@ -167,7 +167,7 @@ async def test_sampled_constrained_soak_values_hold(tokenizer, model):
     import re
 
     backend = HFBackend.from_model(model, tokenizer, cache_budget=200 * PER_TOKEN, name="soak-sampled",
-                                   kv_budget=700 * PER_TOKEN)
+                                   kv_budget=200 * PER_TOKEN)
     checking(backend, every=5)
     rng = random.Random(5)
 
