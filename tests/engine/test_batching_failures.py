@@ -36,6 +36,34 @@ async def test_failing_and_cancelled_queries_leave_the_batch(make_backend):
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
 
 
+async def test_calls_that_follow_a_cancelled_call_prefill_their_own(make_backend, monkeypatch):
+    """Calls of one prompt follow the one that computes it; where that one is cancelled while its step runs,
+    nothing of it is stored, and the others prefill the prompt themselves and get what they get alone."""
+    from lmq_backend.engine.runner import ModelRunner
+
+    expected = await reference(make_backend, "llama", [3])
+    backend = make_backend("llama")
+    q = lmq.Query(SRC, model=backend)
+    steps, calls, real = [], [], ModelRunner.prefill
+    backend.on_step(steps.append)
+
+    def prefill(self, pool, rows):  # the first step prefills the first call, the others following it
+        out = real(self, pool, rows)
+        if len(steps) == 0 and not calls[0].done():
+            calls[0].cancel()
+        return out
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    calls += [asyncio.ensure_future(q.run(inputs(3))) for _ in range(4)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert [r.variables for r in results[1:]] == expected * 3
+    prefills = [s.batch_size for s in steps if s.kind == "prefill"]
+    assert prefills[:2] == [1, 1]  # the first alone; then one of the three, the two others following it
+    assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0
+    backend.trie.check()
+
+
 async def test_a_prefill_failure_fails_only_the_query_it_comes_from(make_backend, monkeypatch):
     """A prefill that raises something unforeseen (a bug, a kernel's error: here, whenever one query's rows are in
     it) is split down to that query, which gets the error; the queries batched with it, and the next ones, run.
