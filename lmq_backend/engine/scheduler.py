@@ -448,6 +448,8 @@ class Scheduler:
         joined = set()
         self.pool.make_room(self.pool.rows + len(followers), max(len(w.request.ids) for w, *_ in followers), AHEAD)
         for w, i, drawn, chosen in followers:
+            if w.future.done():  # (cancelled: its query has left `waiting`)
+                continue
             ids = w.request.ids
             slots = self.cache.find(w.request.pin, ids)
             if slots is None:
