@@ -15,7 +15,7 @@ _WHERE = {
     "lmq_backend.errors": (
         "LMQBackendError", "LMQCompileError", "LMQConstraintConflictError", "LMQError", "LMQInputError",
         "LMQLengthError", "LMQNotSupportedError", "LMQRuntimeError", "LMQSyntaxError",
-        "LMQUnknownConstraintError", "LMQUnknownVariableError",
+        "LMQUnknownConstraintError", "LMQUnknownVariableError", "LMQUnsatisfiedError",
     ),
     "lmq_backend.runtime.interpreter": ("Result",),
     "lmq_backend.runtime.query": ("Query", "compile", "query"),

@@ -50,5 +50,15 @@ class LMQLengthError(LMQRuntimeError):
     """A hole could not be closed within the query's `max_len` tokens."""
 
 
+class LMQUnsatisfiedError(LMQRuntimeError):
+    """A hole's value could not satisfy its constraint: no token could extend it and it could not end there, or
+    a stop rule (its token limit, STOPS_AT, STOPS_BEFORE) ended it where the rest of the constraint does not let
+    it end. `text`: the value so far."""
+
+    def __init__(self, message: str, text: str = ""):
+        super().__init__(message)
+        self.text = text
+
+
 class LMQBackendError(LMQError):
     """A backend could not be found, loaded or used."""

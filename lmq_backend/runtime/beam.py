@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend.protocol import Backend, NextTokens, Sequence
-from ..errors import LMQLengthError, LMQRuntimeError
+from ..errors import LMQLengthError, LMQRuntimeError, LMQUnsatisfiedError
 from ..language import ast
 from ..language.codegen import Program
 from .constraints import HoleConstraint, HoleState
@@ -189,6 +189,8 @@ class BeamSearch:
                 if len(live) >= width and not isinstance(choice, str):
                     continue
                 child = self._take(beam, choice, score)
+                if child is None:
+                    continue
                 if isinstance(child, _Value):
                     ended = sorted([*ended, child], key=lambda v: -v.score)
                 elif len(live) < width:
@@ -284,13 +286,15 @@ class BeamSearch:
             self.error = e
             return None
         if not nt.ids and nt.end is None:
-            self.error = LMQRuntimeError(f"the constraint cannot be satisfied after {beam.state.text!r}")
+            self.error = LMQUnsatisfiedError(f"the constraint cannot be satisfied after {beam.state.text!r}",
+                                             beam.state.text)
             return None
         return nt
 
-    def _take(self, beam: _Beam, choice: int | str, score: float) -> _Beam | _Value:
+    def _take(self, beam: _Beam, choice: int | str, score: float) -> _Beam | _Value | None:
         """The beam after its choice (a token, or the text it ends its value with): still in its hole (a
-        `_Beam` of its own), or its value (`_Value`)."""
+        `_Beam` of its own), or its value (`_Value`); None where a stop rule ended the value where its
+        constraint does not let it end (`Stop.broken`)."""
         if isinstance(choice, str):
             return self._value(beam, beam.tokens, choice, score)
         if beam.state_taken:
@@ -301,6 +305,11 @@ class BeamSearch:
             state, beam.state_taken = beam.state, True
         stop = state.advance(choice)
         tokens = [*beam.tokens, choice]
+        if stop is not None and stop.broken:  # (a value its constraint refuses: this beam ends here)
+            self.error = LMQUnsatisfiedError(f"the constraint cannot be satisfied: {stop.broken} ended the value at "
+                                             f"{stop.text!r}, where the rest of its constraint does not let it end",
+                                             stop.text)
+            return None
         if stop is not None:
             ids = tokens[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
             return self._value(beam, ids, stop.text, score)

@@ -18,7 +18,7 @@ from types import FunctionType
 from typing import Any
 
 from ..backend.protocol import Backend, Sequence
-from ..errors import LMQCompileError, LMQError, LMQRuntimeError
+from ..errors import LMQCompileError, LMQError, LMQRuntimeError, LMQUnsatisfiedError
 from ..language import ast
 from ..language.codegen import FUNCTION, Program
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
@@ -192,7 +192,12 @@ class Run:
                 c = typed.constraint if c is None else ast.And((typed.constraint, c))
         constraint = compile_hole_constraint(c, self._eval, self.backend.vocab)
         await self._flush()
-        text = await (self.root or self)._fill(self.seq, hole, constraint)
+        try:
+            text = await (self.root or self)._fill(self.seq, hole, constraint)
+        except LMQUnsatisfiedError as e:
+            if typed is not None:  # (the type's own error, naming it, where its value cannot be built either)
+                build_value(typed, e.text, hole)
+            raise LMQUnsatisfiedError(f"line {hole.span.line}: hole [{hole.name}]: {e}", e.text) from None
         self._generated(text)
         return self._assign(hole.name, text if typed is None else build_value(typed, text, hole))
 

@@ -72,6 +72,46 @@ def test_stop_inside_token(vocab):
     assert stop == Stop(text="He", keep=0, tail="He")
 
 
+def _token(vocab, text: str) -> int:
+    return int(vocab.bytes_to_ids[text.encode()][0])
+
+
+def test_the_last_token_a_limit_allows_is_one_the_value_may_end_after(vocab):
+    """Under a constraint on the text, the token a limit lets the value take last is one after which it may end:
+    `X in [...] and len(TOKENS(X)) < 2` takes the one-token option (none: the mask is empty, the hole cannot be
+    satisfied, not cut short); before that token, the mask is the constraint's own."""
+    options = [" strawberry milkshake deluxe", " fig"]
+    state = compiled(AND(choice(options), length("<", 2, unit="tokens")), vocab).start()
+    assert np.flatnonzero(state.allowed()).tolist() == [_token(vocab, " fig")]
+    assert state.allows(_token(vocab, " fig")) and not state.allows(_token(vocab, " strawberry"))
+    assert not compiled(AND(choice(options[:1]), length("<", 2, unit="tokens")), vocab).start().allowed().any()
+    state = compiled(AND(choice(options), length("<", 3, unit="tokens")), vocab).start()
+    assert state.allows(_token(vocab, " strawberry"))
+    state.advance(_token(vocab, " strawberry"))
+    assert not state.allowed().any()  # " milkshake deluxe" takes more than one token
+    state = compiled(AND(call("INT", "X"), length("<", 2, unit="tokens")), vocab).start()
+    ending = [vocab.token_bytes[t] for t in np.flatnonzero(state.allowed())]
+    assert ending and all(re.fullmatch(rb" ?[0-9]+", b) for b in ending)
+
+
+def test_a_stop_where_the_constraint_may_not_end_says_so(vocab):
+    """A stop rule that ends the value where the rest of its constraint does not let it end gives a `Stop` that
+    is `broken` (the backend refuses the value): the token limit inside an option, STOPS_AT before it is whole;
+    one where it may end is not."""
+    state = compiled(AND(choice([" strawberry milkshake"]), length("<", 2, unit="tokens")), vocab).start()
+    stop = state.advance(_token(vocab, " strawberry"))  # (what the mask would not offer)
+    assert stop.text == " strawberry" and stop.broken == "the token limit (1 tokens)"
+    state = compiled(AND(choice([" apple pie"]), call("STOPS_AT", "X", " app")), vocab).start()
+    stop = state.advance(_token(vocab, " apple"))
+    assert stop.text == " app" and stop.broken == "STOPS_AT(' app')"
+    state = compiled(AND(choice([" apple pie", " apple"]), call("STOPS_BEFORE", "X", " pie")), vocab).start()
+    assert state.advance(_token(vocab, " apple")) is None
+    stop = state.advance(_token(vocab, " pie"))
+    assert stop.text == " apple" and stop.broken == ""
+    state = compiled(AND(call("STOPS_AT", "X", "."), length("<", 2, unit="tokens")), vocab).start()
+    assert state.advance(_token(vocab, " fig")).broken == ""  # (free text: every value may end)
+
+
 def test_stop_with_mask(vocab):
     for text, state, stop in run_many(AND(call("STOPS_AT", "X", " "), NOT(contains("\n")), length("<", 40)),
                                       vocab, n=40, end_prob=0.02):

@@ -78,16 +78,17 @@ async def test_checked_picks_are_the_picks_under_the_mask(model, request, monkey
               "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}}}
     source = ('"A sentence about {x}:[A]" where REGEX(A, r"[A-Za-z ,.\'-]{1,80}") and len(TOKENS(A)) < 12\n'
               f'"\\nA person who likes it, as JSON with a name and an age:\\n[J]" where JSON(J, {json.dumps(person)!r})'
-              ' and len(TOKENS(J)) < 30\n'
+              ' and len(TOKENS(J)) < 40\n'
               f'"\\nA greeting:[G]" where GRAMMAR(G, {GREETING!r}) and len(TOKENS(G)) < 8')
     topics = ["a cat", "the sea", "fresh bread", "winter"]
     masks, real = [], llg._mask_of
     monkeypatch.setattr(llg, "_mask_of", lambda m, v: masks.append(1) or real(m, v))
 
-    async def run():
+    async def run():  # (a value its token limit cuts short fails its call, the same way both times)
         masks.clear()
         q = lmq.compile(source, model=backend)
-        return [r.variables for r in await asyncio.gather(*(q(x=x) for x in topics))], len(masks)
+        results = await asyncio.gather(*(q(x=x) for x in topics), return_exceptions=True)
+        return [str(r) if isinstance(r, lmq.LMQRuntimeError) else r.variables for r in results], len(masks)
 
     checked, checked_masks = await run()
     monkeypatch.setattr(llg._LLGNode, "checks_tokens", False)
@@ -96,7 +97,7 @@ async def test_checked_picks_are_the_picks_under_the_mask(model, request, monkey
     assert eager_masks > 40
     if model == "default":  # a real model's pick mostly keeps to the constraint
         assert checked_masks < eager_masks / 2, (checked_masks, eager_masks)
-        assert all(re.fullmatch(r"[A-Za-z ,.'-]{1,80}", v["A"]) for v in checked)
+        assert all(re.fullmatch(r"[A-Za-z ,.'-]{1,80}", v["A"]) and json.loads(v["J"]) for v in checked)
 
 
 @pytest.mark.slow

@@ -1,17 +1,31 @@
 """STOPS_AT / STOPS_BEFORE on holes where the stop must fire, with the exact value checked.
 
-`STARTS_WITH(X, text)` forces the model to write `text`, so a stop string inside it must fire; sampled
-runs on a random model (temperature 1, near-uniform logits) reach that text through many different
-tokenizations, so the stop string often falls inside a token (`lo w` inside ` world`, `\\n` inside
-`.\\n`, a 2-byte `é` split over tokens) and the engine has to cut the token and re-tokenize the rest.
-Every result must have exactly the expected value, the prompt must continue right after it, and the next
-hole must see the ids of exactly that text.
+`REGEX(X, forcing(text, value, ...))` forces the model to write `text` (every token keeps the value a prefix of
+it, and the value may not end before it holds `value`, nor inside STOPS_BEFORE's string), so a stop string
+inside it must fire, and its value `value` satisfies the constraint (a value cut where its constraint does not
+let it end would be refused); sampled runs on a random model (temperature 1, near-uniform logits) reach that
+text through many different tokenizations, so the stop string often falls inside a token (`lo w` inside
+` world`, `\\n` inside `.\\n`, a 2-byte `é` split over tokens) and the engine has to cut the token and
+re-tokenize the rest. Every result must have exactly the expected value, the prompt must continue right after
+it, and the next hole must see the ids of exactly that text.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
 import lmq_backend as lmq
+
+
+def forcing(text: str, value: str, stop: str = "") -> str:
+    """A regular expression that `value` (a prefix of `text`) matches, and the prefixes of `text` that go on
+    past `value + stop` (STOPS_BEFORE's `stop`: the value may not end inside it)."""
+    out = ""
+    for ch in reversed(text[len(value + stop):]):
+        out = f"(?:{re.escape(ch)}{out})?"
+    return re.escape(value) + (f"(?:{re.escape(stop)}{out})?" if stop else out)
+
 
 FORCED = [
     # forced text, rule, stop string, the value
@@ -53,8 +67,9 @@ def spelled(backend, ids: list[int]) -> str:
 async def test_a_forced_stop_gives_the_exact_value(make_backend, kind, forced, rule, stop, value):
     backend = make_backend(kind)
     seen = record_generate(backend)
+    regex = forcing(forced, value, stop if rule == "STOPS_BEFORE" else "")
     source = (f'sample(n=6, temperature=1.0, seed=0)\n'
-              f'    "Say:[X]" where STARTS_WITH(X, {forced!r}) and {rule}(X, {stop!r}) and len(TOKENS(X)) < 40\n'
+              f'    "Say:[X]" where REGEX(X, {regex!r}) and {rule}(X, {stop!r}) and len(TOKENS(X)) < 40\n'
               f'    " and then[Y]" where len(TOKENS(Y)) < 3')
     results = await lmq.compile(source, model=backend)()
     assert [r["X"] for r in results] == [value] * 6
@@ -86,7 +101,8 @@ async def test_the_forced_values_were_reached_through_split_tokens(make_backend)
 
     backend.generate = spy
     q = lmq.compile('sample(n=12, temperature=1.0, seed=0)\n'
-                    '    "Say:[X]" where STARTS_WITH(X, "Hello world, again") and STOPS_AT(X, "lo w")'
+                    f'    "Say:[X]" where REGEX(X, {forcing("Hello world, again", "Hello w")!r})'
+                    ' and STOPS_AT(X, "lo w")'
                     ' and len(TOKENS(X)) < 40', model=backend)
     results = await q()
     assert {r["X"] for r in results} == {"Hello w"}
@@ -97,6 +113,26 @@ async def test_the_forced_values_were_reached_through_split_tokens(make_backend)
         assert text.startswith("Hello w")
         ends_inside += text != "Hello w"  # the last token went past the stop string's end: it was cut
     assert ends_inside >= 3 and len({tuple(t) for t in tokens_seen}) >= 3
+
+
+async def test_a_value_its_constraint_refuses_is_never_returned(make_backend):
+    """The token limit ends a value only where its constraint lets it end: the last token it allows is one
+    after which the value may end (`X in [...]`: a one-token option), and where none is, or a stop string cuts
+    the value where the constraint does not let it end, the call fails naming the hole; a beam that ends so is
+    dropped, the others go on."""
+    backend = make_backend("llama")
+    options = '[" strawberry milkshake deluxe", " fig"]'
+    r = await lmq.compile(f'"Fruit:[X]" where X in {options} and len(TOKENS(X)) < 2', model=backend)()
+    assert r["X"] == " fig"
+    results = await lmq.compile('beam(n=8)\n    "Fruit:[X]" where X in [" apple pie", " fig"] and STOPS_AT(X, " app")',
+                                model=backend)()
+    assert results and {r["X"] for r in results} == {" fig"}  # (every way to " apple pie" stops at " app")
+    with pytest.raises(lmq.LMQUnsatisfiedError, match=r"line 2: hole \[X\]: the constraint cannot be satisfied"):
+        await lmq.compile('"A"\n"Code:[X]" where REGEX(X, r"[0-9]{5}") and len(TOKENS(X)) < 3', model=backend)()
+    with pytest.raises(lmq.LMQUnsatisfiedError, match=r"line 1: hole \[X\]: .*STOPS_AT\(' app'\) ended the value "
+                                                      r"at ' app'"):
+        await lmq.compile('"Dessert:[X]" where X in [" apple pie"] and STOPS_AT(X, " app")', model=backend)()
+    assert backend.trie.pinned_nodes() == 0
 
 
 @pytest.mark.slow

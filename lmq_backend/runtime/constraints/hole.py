@@ -20,7 +20,12 @@ What the backend calls, per token of the value (`HFBackend.generate`):
 
 - allowed() returns an array the caller may modify, or a read-only one that states share (a constraint's
   memoized mask: copy it to modify); after a stop, or once the token limit is reached, it is all False. It is
-  computed once per token (advance() invalidates it).
+  computed once per token (advance() invalidates it). Under a constraint on the text, before the last token
+  the limit lets the value take, it holds only the tokens after which the value may end (each tried, where
+  at most LOOKAHEAD_MAX are allowed): `X in [...] and len(TOKENS(X)) < 2` takes a one-token option.
+- A stop rule that ends the value where the rest of the constraint does not let it end (a token limit in the
+  middle of an option, `STOPS_AT` before a REGEX is matched) gives a `Stop` that says so (`broken`): the
+  backend refuses that value with an error, a beam drops it; never a value that breaks its constraint.
 - advance() of a special or out-of-range token, or after a stop, raises LMQRuntimeError.
 - A free hole's state (`free`: no constraint on the text, only stop rules and a token limit) takes tokens
   without a check before each: allowed() is None and can_end() True whatever it has taken. Where it watches
@@ -40,6 +45,8 @@ from ...errors import LMQRuntimeError
 from ...text.vocab import VocabIndex
 from .nodes import _Ctx, _FreeNode, _Node
 from .stops import Stop, _StopString
+
+LOOKAHEAD_MAX = 256  # the most tokens the last one before a token limit is chosen among by trying each
 
 
 class HoleConstraint:
@@ -94,9 +101,45 @@ class HoleState:
                 mask = np.zeros(self.hc.vocab.size, dtype=bool)
             else:
                 mask = self.root.allowed()
+                if self._last_before_limit():
+                    mask = self._ending(mask)
             self._allowed = mask
         mask = self._allowed
         return mask if mask is None or not mask.flags.writeable else mask.copy()
+
+    def _last_before_limit(self) -> bool:
+        """Is the next token the last the token limit lets the value take (so the value must be able to end
+        after it), under a constraint on the text?"""
+        limit = self.hc.max_tokens
+        return limit is not None and len(self.ctx.tokens) == limit - 1 and not self.hc.free
+
+    def _ending(self, mask: np.ndarray | None) -> np.ndarray | None:
+        """Of the tokens in `mask`, those after which the value may end (the token limit ends it there): each
+        tried on a fresh state, where they are few (LOOKAHEAD_MAX); else `mask` as it is (a value the limit
+        then ends where the constraint does not allow is refused: `Stop.broken`)."""
+        if mask is None:
+            return mask
+        candidates = np.flatnonzero(mask)
+        if len(candidates) > LOOKAHEAD_MAX:
+            return mask
+        out = np.zeros(self.hc.vocab.size, dtype=bool)
+        for token in candidates.tolist():
+            out[token] = self._ends_after([*self.ctx.tokens, token])
+        return out
+
+    def _ends_after(self, tokens: list[int]) -> bool:
+        """Does the constraint allow the value of these tokens to end (a fresh state, advanced by each)?"""
+        ctx = _Ctx()
+        state = self.hc.node.state(ctx)
+        token_bytes = self.hc.vocab.token_bytes
+        for token in tokens:
+            old_len = len(ctx.value)
+            ctx.value += token_bytes[token]
+            ctx.ends.append(len(ctx.value))
+            ctx.tokens.append(token)
+            if not state.advance(token, old_len):
+                return False
+        return state.can_end()
 
     @property
     def checks_tokens(self) -> bool:
@@ -109,7 +152,10 @@ class HoleState:
         if self._allowed is False:
             limit = self.hc.max_tokens
             if self._stopped is None and (limit is None or len(self.ctx.tokens) < limit):
-                return self.root.allows(token_id)
+                if not self.root.allows(token_id):
+                    return False
+                if not self._last_before_limit():
+                    return True
             self.allowed()
         mask = self._allowed
         return mask is None or bool(mask[token_id])
@@ -173,21 +219,25 @@ class HoleState:
         self._allowed = False
         self.root.advance(token_id, old_len)
         end: int | None = None
+        fired = None
         for rule in hc.stops:
             e = rule.end(value, old_len)
             if e is not None and (end is None or e < end):
-                end = e
+                end, fired = e, rule
         if end is None and hc.max_tokens is not None and len(ctx.tokens) >= hc.max_tokens:
             end = len(value)
         if end is None:
             return None
-        self._stopped = self._make_stop(end)
+        self._stopped = self._make_stop(end, fired)
         return self._stopped
 
-    def _make_stop(self, end: int) -> Stop:
+    def _make_stop(self, end: int, fired=None) -> Stop:
+        """The value a stop rule (`fired`, a stop string; None: the token limit) ended at byte `end`."""
         value = self.ctx.value
-        if end == len(value):  # (the token limit: every token kept, no tail)
-            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="")
+        rule = str(fired) if fired is not None else f"the token limit ({self.hc.max_tokens} tokens)"
+        if end == len(value):  # (every token kept, no tail: the state holds the value as it ends)
+            broken = "" if self.hc.free or self.root.can_end() else rule
+            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="", broken=broken)
         keep = 0
         for i, e in enumerate(self.ctx.ends):
             if e > end:
@@ -196,8 +246,11 @@ class HoleState:
             if e == len(value) or e == end or value[e] & 0xC0 != 0x80:
                 keep = i + 1
         start = self.ctx.ends[keep - 1] if keep else 0
-        return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep,
-                    tail=bytes(value[start:end]).decode("utf-8", errors="replace"))
+        tail = bytes(value[start:end]).decode("utf-8", errors="replace")
+        # the value's own ids (as the backend takes them: the kept tokens, the tail tokenized) on a fresh state
+        broken = "" if self.hc.free or self._ends_after(
+            [*self.ctx.tokens[:keep], *self.hc.vocab.encode_continuation(tail)]) else rule
+        return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep, tail=tail, broken=broken)
 
 
 def _not_a_value(token: int) -> NoReturn:

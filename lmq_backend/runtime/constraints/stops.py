@@ -8,16 +8,22 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Stop:
     """A stop rule fired: the hole's final value `text`; the first `keep` appended tokens lie wholly inside
-    it and `tail` is the rest of `text` after them (part of a later token's text), "" if none."""
+    it and `tail` is the rest of `text` after them (part of a later token's text), "" if none. `broken`: the
+    rest of the hole's constraint does not allow the value to end there (what the rule that fired was, for
+    the error that the value is not taken: "" while it does)."""
 
     text: str
     keep: int
     tail: str
+    broken: str = ""
 
 
 class _StopString:
     def __init__(self, s: str, before: bool):
         self.s, self.before = s.encode("utf-8"), before
+
+    def __str__(self) -> str:
+        return f"{'STOPS_BEFORE' if self.before else 'STOPS_AT'}({self.s.decode('utf-8')!r})"
 
     def end(self, value: bytearray, old_len: int) -> int | None:
         """The end (in bytes) of the final value if the stop string now occurs, else None."""
