@@ -114,6 +114,8 @@ def _cache_folder(args):
     folder = Path(args.dir).expanduser() if args.dir else default_folder()
     if folder is None:
         raise SystemExit("lmq: the disk tier is off ($LMQ_DISK_CACHE); name a folder with --dir")
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"lmq: {folder} is not a folder")
     return folder
 
 

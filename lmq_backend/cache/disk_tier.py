@@ -7,6 +7,10 @@ Folder (default `paths.cache_dir()/kv`; `default_folder`):
     <model>/model.json           what <model> is (name, dtype, device, K/V shape): for `lmq cache ls`
     <model>/<start>/<end>.kv     a segment: <start> = prefix_key(ids[:start]), <end> = prefix_key(ids[:end])
 
+The names are 32 hex digits. Only what has lmq's names (a model folder that holds its model.json, start folders
+and `<end>.kv` files in it) is counted, evicted or cleared: another file or folder under the same folder is
+never touched.
+
 <model> (`model_key`) hashes everything that makes two processes' K/V interchangeable: the weights' fingerprint
 (`cache/fingerprint.py`), dtype, device, the store's layout version, this file format's version and the K/V
 shape. A process looks only in its own <model> folder, and checks each file's header against it again.
@@ -16,12 +20,12 @@ File (little-endian):
     b"LMQKVSEG"  u32 header bytes  header (JSON: model, dtype, layout, shape [L, H_kv, D], start, end)
     ids      int32 [end]              the whole prefix: a file serves a sequence only if these ids match exactly
     payload  [L, 2, T, H_kv, D]       K/V of tokens [start, end) in the model's dtype, zero-padded to 4 KiB blocks
-    b"LMQKVEND"  u32 crc32(everything before the payload)  u32 0  u64 sum  u64 weighted sum
+    b"LMQKVEND"  u32 crc32(everything before the payload)  u32 crc32(the payload, padding included)  u64 0  u64 0
 
-(the ids and the payload start at multiples of 64 bytes). The payload's checksum runs at memory speed, as a
-warm start reads the file while its query waits: per 4 KiB block b_i = the sum of its 64-bit words; `sum` =
-sum of b_i and `weighted` = sum of (i + 1) * b_i, all mod 2^64. A flipped, zeroed or truncated byte changes
-`sum`; blocks swapped or shifted change `weighted`; only errors that cancel exactly in both pass.
+(the ids and the payload start at multiples of 64 bytes). CRC-32 finds every error of one, two or three bits
+in a file of up to 512 MB, any burst of up to 32 bits, and other damage but for one in 2^32; zlib's runs at
+~4 GB/s here (a warm start reads the file while its query waits). (A sum of the payload's 64-bit words, at
+memory speed, missed errors that cancel: a sign bit flipped in two words.)
 
 Safety: a file is written under tmp/ and renamed into place (atomic), so a reader sees a whole file or none;
 two processes writing the same segment write the same bytes, and the later rename wins. Renames, evictions
@@ -38,6 +42,7 @@ import json
 import mmap
 import os
 import queue
+import re
 import struct
 import sys
 import threading
@@ -60,7 +65,7 @@ except ImportError:  # pragma: no cover - not a POSIX system: the lock holds wit
     fcntl = None
 from .segment import Segment, continued, prefix_key
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC, END_MAGIC = b"LMQKVSEG", b"LMQKVEND"
 BLOCK = 4096
 ALIGN = 64
@@ -86,12 +91,19 @@ def default_folder() -> Path | None:
 
 
 def resolve_folder(disk_cache) -> Path | None:
-    """`disk_cache=` of a backend: None/False (off), True or "default" (`default_folder()`) or a folder."""
-    if disk_cache is None or disk_cache is False:
+    """`disk_cache=` of a backend: None/False or a string $LMQ_DISK_CACHE reads as off ("", "off", ...: off),
+    True or "default" (`default_folder()`) or a folder."""
+    if disk_cache is None or disk_cache is False or (isinstance(disk_cache, str) and disk_cache.strip().lower() in OFF):
         return None
     if disk_cache is True or disk_cache == "default":
         return default_folder()
     return Path(disk_cache).expanduser()
+
+
+def check_folder(folder: Path) -> None:
+    """Raise NotADirectoryError where `folder` exists and is no folder (it could hold no cache)."""
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is not a folder")
 
 
 def model_key(fingerprint: str, dtype: str, device: str, layout: int, shape: tuple[int, int, int]) -> str:
@@ -104,16 +116,11 @@ def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def payload_checksum(payload: np.ndarray) -> tuple[int, int]:
-    """(sum, weighted) of uint8 bytes zero-padded to whole 4 KiB blocks (see the module docstring)."""
-    full = len(payload) // BLOCK
-    sums = payload[:full * BLOCK].view(np.uint64).reshape(full, BLOCK // 8).sum(axis=1, dtype=np.uint64)
-    if len(payload) > full * BLOCK:
-        last = np.zeros(BLOCK, dtype=np.uint8)
-        last[:len(payload) - full * BLOCK] = payload[full * BLOCK:]
-        sums = np.append(sums, last.view(np.uint64).sum(dtype=np.uint64))
-    weights = np.arange(1, len(sums) + 1, dtype=np.uint64)
-    return int(sums.sum(dtype=np.uint64)), int((sums * weights).sum(dtype=np.uint64))
+def payload_checksum(payload: np.ndarray) -> int:
+    """CRC-32 of uint8 bytes zero-padded to whole 4 KiB blocks (see the module docstring)."""
+    crc = zlib.crc32(payload)
+    pad = _pad(len(payload), BLOCK) - len(payload)
+    return zlib.crc32(bytes(pad), crc) if pad else crc
 
 
 @dataclass(slots=True)
@@ -331,14 +338,14 @@ class DiskTier:
 
     def _check(self, mapped: mmap.mmap) -> Layout:
         layout = self._layout(lambda at, n: mapped[at:at + n], len(mapped))
-        magic, crc, _, total, weighted = TRAILER.unpack_from(mapped, layout.size - TRAILER.size)
+        magic, crc, payload_crc, _, _ = TRAILER.unpack_from(mapped, layout.size - TRAILER.size)
         if magic != END_MAGIC:
             raise Rejected("its end is damaged (torn or truncated)")
         if zlib.crc32(mapped[:layout.payload_at]) != crc:
             raise Rejected("its header or token ids fail their checksum")
         payload = np.frombuffer(mapped, dtype=np.uint8, count=_pad(layout.payload_bytes, BLOCK),
                                 offset=layout.payload_at)
-        if payload_checksum(payload) != (total, weighted):
+        if zlib.crc32(payload) != payload_crc:
             raise Rejected("its K/V fail their checksum")
         return layout
 
@@ -395,7 +402,7 @@ class DiskTier:
         head[layout.ids_at:layout.ids_at + 4 * seg.end] = seg.ids.tobytes()
         payload = seg.kv.contiguous().reshape(-1).view(torch.uint8).numpy()
         assert len(payload) == layout.payload_bytes
-        total, weighted = payload_checksum(payload)
+        payload_crc = payload_checksum(payload)
         tmp = self.folder / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         part = tmp / f"{os.getpid()}-{threading.get_ident()}-{seg.key}.part"
@@ -404,17 +411,16 @@ class DiskTier:
                 f.write(head)
                 f.write(memoryview(payload))
                 f.write(bytes(_pad(len(payload), BLOCK) - len(payload)))
-                f.write(TRAILER.pack(END_MAGIC, zlib.crc32(head), 0, total, weighted))
+                f.write(TRAILER.pack(END_MAGIC, zlib.crc32(head), payload_crc, 0, 0))
             with folder_lock(self.folder):
-                if final.exists():
+                if final.exists() or layout.size > self.budget_bytes:
                     return
+                # room first: making it removes a start folder its last file leaves, this file's maybe
+                _make_room(self.folder, self.budget_bytes - layout.size)
                 final.parent.mkdir(parents=True, exist_ok=True)
                 described = self.model_folder / "model.json"
                 if not described.exists():
                     described.write_text(json.dumps({"key": self.key, **self.description}, indent=1))
-                if layout.size > self.budget_bytes:
-                    return
-                _make_room(self.folder, self.budget_bytes - layout.size)
                 os.replace(part, final)
         finally:
             part.unlink(missing_ok=True)
@@ -462,7 +468,7 @@ def folder_lock(folder: Path):
 
 def _entries(folder: Path) -> list[tuple[float, int, Path]]:
     """Every segment file under the folder: (last used, bytes, path)."""
-    return [e for model in _subfolders(folder) for e in _files(model)]
+    return [e for model in _models(folder) for e in _files(model)]
 
 
 def _files(model: Path) -> list[tuple[float, int, Path]]:
@@ -472,22 +478,31 @@ def _files(model: Path) -> list[tuple[float, int, Path]]:
         try:
             with os.scandir(start) as it:
                 for e in it:
-                    if e.name.endswith(".kv"):
+                    if e.name.endswith(".kv") and _KEY.fullmatch(e.name[:-3]):
                         try:
-                            st = e.stat()
+                            st = e.stat(follow_symlinks=False)
                         except FileNotFoundError:
                             continue
                         out.append((st.st_mtime, st.st_size, Path(e.path)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
     return out
 
 
+_KEY = re.compile(r"[0-9a-f]{32}")  # a model's, a start's or an end's name (`model_key`, `prefix_key`)
+
+
+def _models(folder: Path) -> list[Path]:
+    """The model folders under the folder: lmq's names, each with its model.json."""
+    return [m for m in _subfolders(folder) if (m / "model.json").is_file()]
+
+
 def _subfolders(folder: Path) -> list[Path]:
+    """The folders under `folder` with lmq's names (`_KEY`)."""
     try:
         with os.scandir(folder) as it:
-            return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False) and e.name != "tmp"]
-    except FileNotFoundError:
+            return [Path(e.path) for e in it if _KEY.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
@@ -525,7 +540,7 @@ def _make_room(folder: Path, budget: int) -> None:
 def usage(folder: Path) -> list[ModelUsage]:
     """The models with files in the folder, each with its description, file count and bytes."""
     out = []
-    for model in _subfolders(folder):
+    for model in _models(folder):
         try:
             description = json.loads((model / "model.json").read_text())
         except (OSError, ValueError):
@@ -536,10 +551,9 @@ def usage(folder: Path) -> list[ModelUsage]:
 
 
 def clear(folder: Path, model: str | None = None) -> tuple[int, int]:
-    """Remove every model's files (or those of the model whose key or name starts with `model`); returns
-    (files, bytes) removed."""
-    import shutil
-
+    """Remove every model's files (or those of the model whose key or name starts with `model`): its segment
+    files, then its start folders and its model folder where nothing else is in them; returns (files, bytes)
+    removed."""
     files = nbytes = 0
     if not folder.is_dir():
         return 0, 0
@@ -547,7 +561,23 @@ def clear(folder: Path, model: str | None = None) -> tuple[int, int]:
         for u in usage(folder):
             if model is not None and not (u.key.startswith(model) or str(u.description.get("name", "")) == model):
                 continue
-            shutil.rmtree(folder / u.key, ignore_errors=True)
-            files += u.files
-            nbytes += u.bytes
+            where = folder / u.key
+            for _, size, path in _files(where):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                files += 1
+                nbytes += size
+            for start in _subfolders(where):
+                _remove_empty(start)
+            (where / "model.json").unlink(missing_ok=True)
+            _remove_empty(where)
     return files, nbytes
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # (not empty: what is left is not lmq's)
+        pass

@@ -64,7 +64,13 @@ def state_fingerprint(model: torch.nn.Module) -> str:
 
 
 def describe_device(device: torch.device) -> str:
-    """The device as part of a key: K/V computed on another kind of device may differ in rounding."""
+    """The device as part of a key: K/V computed on another kind of device may differ in rounding, and so may K/V
+    a CPU computed with other kernels (lmq's or torch's: `LMQ_CPU_KERNELS`; built for another instruction set:
+    the host's, or `LMQ_CPU_MARCH`)."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        from lmq_kernels.cpu import library, toolchain
+
+        return f"cpu:{platform.machine()}:{toolchain.isa()}:kernels {library.mode()}, {library.target()}"
     return f"{device.type}:{platform.machine()}"

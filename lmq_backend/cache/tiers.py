@@ -48,7 +48,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .disk_tier import DiskTier, model_key
+from ..errors import LMQBackendError
+from .disk_tier import DiskTier, check_folder, model_key
 from .fingerprint import describe_device
 from .host_arena import HostArena
 from .host_tier import HostTier
@@ -357,7 +358,8 @@ class CacheTiers:
             trie.unpin(node)
         self.host_hits += hit["host"]
         self.disk_hits += hit["disk"]
-        return node, cached, Loads(self, own, ids[cached:at]) if own else None
+        loaded = {t for t, hit_tier in hit.items() if hit_tier}
+        return node, cached, Loads(self, own, ids[cached:at], loaded) if own else None
 
     def _count(self, tier: str, tokens: int) -> None:
         """`tokens` tokens moved up from `tier`."""
@@ -442,12 +444,15 @@ class CacheTiers:
 class Loads:
     """A request's K/V beyond the trie's match that the trie had no room for (`CacheTiers.load`): the tiers'
     segments that hold it, held until its prefill copies them into the request's own store slots (`into`) in
-    place of computing them. `ids`: those tokens."""
+    place of computing them. `ids`: those tokens; `counted`: the tiers its lookup counted a hit of already (a
+    lookup is one hit of a tier however many of its segments it loads; None once `into` counted its own, which
+    a prefill retried copies again without counting)."""
 
-    __slots__ = ("tiers", "pieces", "ids")
+    __slots__ = ("tiers", "pieces", "ids", "counted")
 
-    def __init__(self, tiers: CacheTiers, pieces: list[tuple[Segment, int, int, str]], ids: list[int]):
-        self.tiers, self.pieces, self.ids = tiers, pieces, ids
+    def __init__(self, tiers: CacheTiers, pieces: list[tuple[Segment, int, int, str]], ids: list[int],
+                 counted: set[str] | None = None):
+        self.tiers, self.pieces, self.ids, self.counted = tiers, pieces, ids, set(counted or ())
 
     @property
     def tokens(self) -> int:
@@ -465,10 +470,13 @@ class Loads:
         except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
             tiers._warn(e)
             return False
-        for seg, offset, k, tier in self.pieces:
-            tiers._count(tier, k)
-        tiers.host_hits += "host" in hit
-        tiers.disk_hits += "disk" in hit
+        if self.counted is not None:  # (counted once: a prefill retried copies them again)
+            for seg, offset, k, tier in self.pieces:
+                tiers._count(tier, k)
+            hit -= self.counted
+            tiers.host_hits += "host" in hit
+            tiers.disk_hits += "disk" in hit
+            self.counted = None
         return True
 
 
@@ -497,6 +505,10 @@ def build_tiers(store: KVStore, options: TierOptions) -> CacheTiers | None:
         host = HostTier(host_bytes, HostArena(host_bytes) if cuda else None)
     disk = None
     if options.folder is not None and options.disk_bytes > 0:
+        try:
+            check_folder(options.folder)
+        except NotADirectoryError as e:
+            raise LMQBackendError(f"disk_cache: {e}: the disk tier needs a folder (None turns it off)") from None
         weights_dtype = options.weights_dtype or str(store.dtype).removeprefix("torch.")
         device = describe_device(store.device)
         key = model_key(options.fingerprint(), weights_dtype, device, LAYOUT_VERSION, store.shape)

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 import lmq_backend as lmq
-from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, clear, model_key, usage
+from lmq_backend.cache.disk_tier import CacheFileWarning, DiskTier, Layout, clear, model_key, usage
+from lmq_backend.cache.fingerprint import describe_device
 from lmq_backend.cache.host_arena import ALIGN, CHUNK_MIN, HostArena, chunk_sizes
 from lmq_backend.cache.host_tier import HostTier
 from lmq_backend.cache.kv_store import ROW
@@ -44,7 +46,7 @@ def segment(ids, start: int, seed: int = 0, dtype=torch.float32) -> Segment:
     return Segment.of(np.asarray(ids, dtype=np.int32), start, kv)
 
 
-def disk(folder: Path, key: str = "m" * 32, budget: int = 10**8, dtype=torch.float32) -> DiskTier:
+def disk(folder: Path, key: str = "ab" * 16, budget: int = 10**8, dtype=torch.float32) -> DiskTier:
     return DiskTier(folder, key, dtype, SHAPE, 1, budget, description={"name": "test"})
 
 
@@ -227,10 +229,16 @@ def damage(path: Path, how: str) -> None:
         raw[-30] ^= 0xFF
     elif how == "not ours":
         raw = bytearray(b"hello world" * 100)
+    elif how == "two sign bits":  # (of two 64-bit words of one 4 KiB block: a sum of the words misses it)
+        (n,) = struct.unpack_from("<I", raw, 8)
+        at = Layout.of(json.loads(raw[12:12 + n]), n, 4).payload_at
+        for word in (1, 100):
+            raw[at + 8 * word + 7] ^= 0x80
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("how", ["payload byte", "ids byte", "truncated", "empty", "end", "not ours"])
+@pytest.mark.parametrize("how", ["payload byte", "ids byte", "truncated", "empty", "end", "not ours",
+                                 "two sign bits"])
 def test_disk_ignores_a_damaged_file_with_a_warning(tmp_path, how):
     tier = disk(tmp_path)
     ids = list(range(300))
@@ -247,8 +255,8 @@ def test_disk_ignores_a_damaged_file_with_a_warning(tmp_path, how):
 @pytest.mark.parametrize("other", ["model", "dtype", "layout"])
 def test_disk_ignores_a_foreign_file(tmp_path, other):
     ids = list(range(200))
-    theirs = {"model": disk(tmp_path / "a", key="x" * 32), "dtype": disk(tmp_path / "a", dtype=torch.float64),
-              "layout": DiskTier(tmp_path / "a", "m" * 32, torch.float32, SHAPE, 2, 10**8)}[other]
+    theirs = {"model": disk(tmp_path / "a", key="cd" * 16), "dtype": disk(tmp_path / "a", dtype=torch.float64),
+              "layout": DiskTier(tmp_path / "a", "ab" * 16, torch.float32, SHAPE, 2, 10**8)}[other]
     seg = segment(ids, 0, dtype=theirs.dtype)
     path = put_on_disk(theirs, seg)
     ours = disk(tmp_path / "b")
@@ -271,6 +279,20 @@ def test_model_key_names_everything_that_makes_kv_differ():
         assert other != base
 
 
+def test_the_device_in_a_key_names_the_cpu_kernels(monkeypatch):
+    """K/V a CPU computed with other kernels (lmq's or torch's, built for another instruction set) may differ in
+    its last bits: a disk tier's files are not shared between them."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
+    monkeypatch.delenv("LMQ_CPU_MARCH", raising=False)
+    ours = describe_device(cpu)
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "0")
+    assert describe_device(cpu) != ours
+    monkeypatch.setenv("LMQ_CPU_KERNELS", "1")
+    monkeypatch.setenv("LMQ_CPU_MARCH", "x86-64-v3")
+    assert describe_device(cpu) != ours
+
+
 def test_disk_budget_holds_and_evicts_least_recently_used(tmp_path):
     segs = [segment(list(range(1000 * i, 1000 * i + 100)), 0, seed=i) for i in range(6)]
     probe = disk(tmp_path / "probe")
@@ -289,7 +311,7 @@ def test_disk_budget_holds_and_evicts_least_recently_used(tmp_path):
 
 
 def _write_many(folder: str, worker: int, budget: int) -> None:
-    tier = DiskTier(Path(folder), "m" * 32, torch.float32, SHAPE, 1, budget)
+    tier = DiskTier(Path(folder), "ab" * 16, torch.float32, SHAPE, 1, budget)
     for i in range(24):
         # the shared ones first, then this worker's own: both processes write the same files at once
         n = i if i < 12 else 100 * (worker + 1) + i
@@ -319,6 +341,51 @@ def test_two_processes_writing_one_folder_never_corrupt_it(tmp_path):
     assert usage(tmp_path / "kv")[0].files == len(left)
     total = sum(p.stat().st_size for p in left)
     assert clear(tmp_path / "kv") == (len(left), total) and files(tmp_path / "kv") == []
+
+
+def test_the_disk_tier_counts_and_removes_only_its_own_files(tmp_path):
+    """A folder the cache shares with other files (a user's `disk_cache=` or `--dir`): eviction and `clear`
+    count and remove only lmq's (a model folder holding its model.json, its start folders, `<end>.kv` files, all
+    named by 32 hex digits); a folder named like one without a model.json, and other files, stay."""
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_bytes(b"jpg" * 1000)
+    (tmp_path / "notes.txt").write_text("notes")
+    lookalike = tmp_path / ("ef" * 16) / ("01" * 16)  # lmq's names, no model.json
+    lookalike.mkdir(parents=True)
+    (lookalike / f"{'23' * 16}.kv").write_bytes(b"user data" * 10**5)
+    os.utime(lookalike / f"{'23' * 16}.kv", (1, 1))  # (the oldest: evicted first, were it counted)
+    size = put_on_disk(disk(tmp_path / "probe"), segment(list(range(100)), 0)).stat().st_size
+    shutil.rmtree(tmp_path / "probe")
+    tier = disk(tmp_path, budget=2 * size + 100)
+    written = [put_on_disk(tier, segment(list(range(1000 * i, 1000 * i + 100)), 0, seed=i)) for i in range(4)]
+    (tier.model_folder / "README").write_text("mine")  # (a file of the user's inside lmq's folder)
+    ours = [p for p in written if p.exists()]
+    assert len(ours) == 2 and [u.files for u in usage(tmp_path)] == [2]
+    assert clear(tmp_path) == (2, sum(size for _ in ours)) and not any(p.exists() for p in written)
+    assert (tmp_path / "photos" / "a.jpg").exists() and (tmp_path / "notes.txt").exists()
+    assert (lookalike / f"{'23' * 16}.kv").exists() and (tier.model_folder / "README").exists()
+
+
+def test_a_file_that_evicts_the_last_of_its_own_start_folder_is_kept(tmp_path):
+    """Two files continuing one prefix (one start folder), a budget for one: the second evicts the first, the
+    folder's last file, and is put in its place (the folder is not removed under it)."""
+    shared = list(range(100))
+    first, second = segment(shared + list(range(500, 600)), 100, seed=1), segment(shared + list(range(700, 800)), 100)
+    size = put_on_disk(disk(tmp_path / "probe"), first).stat().st_size
+    tier = disk(tmp_path / "kv", budget=size + 100)
+    put_on_disk(tier, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = put_on_disk(tier, second)
+    assert files(tmp_path / "kv") == [path] and tier.read(path) is not None
+
+
+def test_a_disk_folder_that_is_no_folder_is_a_clear_error(model, tokenizer, tmp_path):
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(lmq.LMQBackendError, match="afile is not a folder"):
+        backend(model, tokenizer, disk_cache=tmp_path / "afile")
+    b = backend(model, tokenizer, disk_cache="")  # ("" is off, as $LMQ_DISK_CACHE="" is)
+    assert b.tiers is None or b.tiers.disk is None
 
 
 # ----- exactness through the tiers, on a tiny model -------------------------------------------------------
@@ -512,7 +579,9 @@ async def test_a_prefill_retried_copies_its_loads_again(model, tokenizer):
 
     b, before, out, expected = await own_slots_run(model, tokenizer, failing_once)
     assert failed and out == expected
-    assert b.stats().tokens_prefilled - before.tokens_prefilled < 3 * 20  # (loaded, not computed)
+    s = b.stats()
+    assert s.tokens_prefilled - before.tokens_prefilled < 3 * 20  # (loaded, not computed)
+    assert s.host_hits - before.host_hits == 3  # (a lookup is one hit, its copies counted once)
     b.store.check(node_slots(b.trie), [])
 
 

@@ -43,7 +43,7 @@ def test_touch_refuses_slots_a_row_or_the_trie_owns():
 
 
 def test_most_tokens_bounds_the_largest_file(tmp_path):
-    tier = DiskTier(tmp_path, "m" * 32, torch.float32, SHAPE, 1, 10**8)
+    tier = DiskTier(tmp_path, "ab" * 16, torch.float32, SHAPE, 1, 10**8)
     assert tier.most_tokens() == 0
     for tokens in (70, 300, 120):
         ids = np.arange(tokens, dtype=np.int32) + tokens
