@@ -184,6 +184,10 @@ class Run:
         if hole.type is not None:
             t, call = self._hole_type_value(hole)
             if is_query(t):
+                if c is not None:
+                    raise LMQRuntimeError(
+                        f"line {hole.span.line}: hole [{hole.name}: {hole.type.source}]: a nested query's hole takes "
+                        f"no constraint (its value is what the query returns): constrain the holes inside the query")
                 return self._assign(hole.name, await self._nest(hole, t, *(call or ((), {}))))
             if call is not None:
                 t = t(*call[0], **call[1])
@@ -260,6 +264,7 @@ class Run:
         options = [options] if isinstance(options, str) else list(options)
         if not options or not all(isinstance(o, str) for o in options):
             raise LMQRuntimeError(f"distribution {dist.var} needs a non-empty list of strings, got {options!r}")
+        options = list(dict.fromkeys(options))  # (an option twice is one value: its probability once)
         logps = await self.backend.score(self.seq, options)
         top = max(logps)
         weights = [math.exp(lp - top) for lp in logps]

@@ -120,3 +120,14 @@ async def test_endless_recursion_is_a_clear_error_and_fails_only_its_call(make_b
 async def test_bad_arguments_of_a_nested_query(make_backend):
     with pytest.raises(lmq.LMQInputError, match="one_of"):
         await lmq.compile('"x[C: one_of()]"').run({}, make_backend("llama"))
+
+
+async def test_a_constraint_on_a_nested_querys_hole_is_a_clear_error(make_backend):
+    """The value of `[X: q]` is what q returns, decided by q's own holes: a constraint on X (which nothing would
+    hold it to) fails the call, before q runs."""
+    backend = make_backend("llama")
+    q = lmq.compile('"Q: x\\nA: [ANS: think]" where len(ANS) < 3 and ANS in [" a", " b"]')
+    with pytest.raises(lmq.LMQRuntimeError, match=r"line 1: hole \[ANS: think\]: a nested query's hole takes no "
+                                                   r"constraint"):
+        await q.run({"think": think}, backend)
+    assert backend.stats().pinned_nodes == 0

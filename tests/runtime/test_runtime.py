@@ -69,6 +69,13 @@ async def test_distribution_sums_to_one(default_backend):
     assert r.distribution[" positive"] > r.distribution[" negative"]
 
 
+async def test_an_option_given_twice_is_one_value_of_the_distribution(make_backend):
+    backend = make_backend()
+    once = await lmq.compile('"The sky is[X]" distribution X in [" blue", " red"]', model=backend)()
+    twice = await lmq.compile('"The sky is[X]" distribution X in [" blue", " red", " blue"]', model=backend)()
+    assert twice.distribution == once.distribution and abs(sum(twice.distribution.values()) - 1.0) < 1e-6
+
+
 async def test_interpolated_values_are_literal_text(make_backend):
     backend = make_backend()
     q = lmq.compile('"Echo: {value} then[X]" where len(TOKENS(X)) < 3', model=backend)
