@@ -169,9 +169,13 @@ class HFBackend(Backend):
         max_len = min(max_len or DEFAULT_MAX_LEN, self.max_positions)
         return Sequence(template=template, ids=list(self._start_ids), max_len=max_len)
 
-    async def extend(self, seq: Sequence, text: str) -> None:
+    async def extend(self, seq: Sequence, text: str, literal: list[tuple[int, int]] = ()) -> None:
         if text:
-            seq.ids.extend(self._vocab.encode_continuation(text) if seq.text else self._vocab.encode(text))
+            vocab = self._vocab
+            if literal and vocab.specials_in(text, literal):  # (a value holds a special token's text)
+                seq.ids.extend(vocab.encode_literal(text, literal, continuation=bool(seq.text)))
+            else:
+                seq.ids.extend(vocab.encode_continuation(text) if seq.text else vocab.encode(text))
             seq.text += text
             self.check_length(seq, len(seq.ids))
 

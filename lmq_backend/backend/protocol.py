@@ -79,8 +79,9 @@ class Backend(abc.ABC):
         """A new, empty sequence (holding the tokenizer's start tokens, if any) for a query template."""
 
     @abc.abstractmethod
-    async def extend(self, seq: Sequence, text: str) -> None:
-        """Append literal text as one segment."""
+    async def extend(self, seq: Sequence, text: str, literal: list[tuple[int, int]] = ()) -> None:
+        """Append literal text as one segment. `literal`: spans of `text` that are values written into the prompt
+        (`{expr}`): plain text, where a special token's text (`<|im_end|>`) is not that token."""
 
     @abc.abstractmethod
     async def generate(self, seq: Sequence, state: "HoleState", sampler: "Sampler") -> str:

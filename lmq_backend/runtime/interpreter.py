@@ -136,7 +136,7 @@ class Run:
 
     def interp(self, value: Any) -> None:
         """An interpolated value: its str(), as literal text."""
-        self._write(str(value))
+        self._write(str(value), literal=True)
 
     async def hole(self, k: int, i: int) -> Any:
         """The value of piece i of prompt statement k, a hole: generated, scored (a distribution), or a nested
@@ -159,9 +159,9 @@ class Run:
             memo[key] = constraint_for_hole(_conjoin(stmt.where, self.query.where), stmt.pieces[i].name)
         return memo[key]
 
-    def _write(self, text: str, variable: str | None = None) -> None:
-        """Prompt text (`variable`: the nested query whose value it is)."""
-        self.transcript.write(text)
+    def _write(self, text: str, variable: str | None = None, literal: bool = False) -> None:
+        """Prompt text (`variable`: the nested query whose value it is; `literal`: an interpolated value)."""
+        self.transcript.write(text, literal)
         if self.written is not None:
             self.written.append(text)
         if self.stream is not None and text:

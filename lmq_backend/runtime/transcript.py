@@ -33,6 +33,8 @@ class Transcript:
 
     def __init__(self) -> None:
         self.pending: list[str] = []
+        self.literal: list[tuple[int, int]] = []  # spans of "".join(pending) that are values (`write`)
+        self._length = 0
 
     @property
     def has_message(self) -> bool:
@@ -41,9 +43,13 @@ class Transcript:
     def open(self, role: str) -> None:
         raise LMQRuntimeError(f"a role tag {{:{role}}} in a query without a chat transcript")
 
-    def write(self, text: str) -> None:
-        """Prompt text (template text or an interpolated value)."""
+    def write(self, text: str, literal: bool = False) -> None:
+        """Prompt text: template text, or an interpolated value (`literal`: plain text to the model, a special
+        token's text in it no special token)."""
         self.pending.append(text)
+        if literal and text:
+            self.literal.append((self._length, self._length + len(text)))
+        self._length += len(text)
 
     def generated(self, text: str) -> None:
         """A value the backend appended to the sequence itself (a hole's, a distribution's choice)."""
@@ -52,13 +58,17 @@ class Transcript:
         """Send what the sequence lacks; returns the sequence that holds the prompt now (`seq`, or for a chat
         re-rendered, a fresh one: `seq` is released then). `final`: the query has ended."""
         if self.pending:
-            text, self.pending = "".join(self.pending), []
-            await backend.extend(seq, text)
+            text, literal = "".join(self.pending), self.literal
+            self.pending, self.literal, self._length = [], [], 0
+            if literal:
+                await backend.extend(seq, text, literal)
+            else:
+                await backend.extend(seq, text)
         return seq
 
     def copy(self) -> "Transcript":
         out = Transcript()
-        out.pending = list(self.pending)
+        out.pending, out.literal, out._length = list(self.pending), list(self.literal), self._length
         return out
 
 
@@ -80,8 +90,8 @@ class ChatTranscript(Transcript):
     def open(self, role: str) -> None:
         self.messages.append([role, ""])
 
-    def write(self, text: str) -> None:
-        self.messages[-1][1] += text
+    def write(self, text: str, literal: bool = False) -> None:
+        self.messages[-1][1] += text  # (a value as the template renders it: as `apply_chat_template` does)
 
     def generated(self, text: str) -> None:
         self.messages[-1][1] += text

@@ -175,6 +175,68 @@ class VocabIndex:
             return ids[len(anchor):]
         return self.encode(text)
 
+    def specials_in(self, text: str, spans: Iterable[tuple[int, int]]) -> bool:
+        """Does a special token's text (`<|im_end|>`, ...) occur in `text` over one of the `spans` (values
+        written into a prompt: plain text to the model)?"""
+        found = self._special_texts()
+        if found is None:
+            return False
+        return any(found.search(text, max(0, a - self._longest_special + 1), b + self._longest_special - 1)
+                   is not None for a, b in spans)
+
+    def encode_literal(self, text: str, spans: list[tuple[int, int]], continuation: bool) -> list[int]:
+        """`encode(text)` (`encode_continuation` if `continuation`) but for the special tokens' texts that
+        overlap a span of `spans`: those are plain text (their characters' tokens), as if the tokenizer had no
+        such token. The text between the special tokens kept is encoded with the tokenizer's special tokens off
+        (`encode_special_tokens`), each piece as the tokenizer takes the text after an added token."""
+        found = self._special_texts()
+        ids = self._special_ids
+        out: list[int] = []
+        at, first = 0, not continuation
+        for m in found.finditer(text) if found is not None else ():
+            if any(a < m.end() and m.start() < b for a, b in spans):
+                continue  # (inside a value: plain text)
+            if m.start() > at:
+                out += self._plain(text[at:m.start()], first)
+            out.append(ids[m.group()])
+            at, first = m.end(), False
+        if at < len(text):
+            out += self._plain(text[at:], first)
+        return out
+
+    def _special_texts(self):
+        """A regular expression of the special tokens' texts, longest first (the tokenizer takes the longest
+        at a position); None: the tokenizer has none."""
+        if not hasattr(self, "_specials_re"):
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            self._special_ids = {t.content: i for i, t in added.items() if getattr(t, "special", False) and t.content}
+            texts = sorted(self._special_ids, key=len, reverse=True)
+            self._longest_special = len(texts[0]) if texts else 0
+            self._specials_re = re.compile("|".join(map(re.escape, texts))) if texts else None
+        return self._specials_re
+
+    def _plain(self, text: str, first: bool) -> list[int]:
+        """`text`'s ids with the special tokens off; not `first`: as text after an added token or a sequence's
+        earlier text (a SentencePiece tokenizer puts no "▁" before it: encoded behind the "\n" anchor)."""
+        if first or not self._adds_leading_space:
+            return self._encode_plain(text)
+        anchor = self._encode_plain("\n")
+        ids = self._encode_plain("\n" + text)
+        if ids[:len(anchor)] == anchor and self.decode_bytes(ids[len(anchor):]) == text.encode("utf-8"):
+            return ids[len(anchor):]
+        return self._encode_plain(text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_special_tokens"):
+            with self._lock:  # (a switch of the tokenizer's own: on for this call only)
+                was, backend.encode_special_tokens = backend.encode_special_tokens, True
+                try:
+                    return backend.encode(text, add_special_tokens=False).ids
+                finally:
+                    backend.encode_special_tokens = was
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
     @property
     def _adds_leading_space(self) -> bool:
         if not hasattr(self, "_leading_space"):

@@ -68,7 +68,7 @@ class TableBackend(Backend):
         self.open.add(id(copy))
         return copy
 
-    async def extend(self, seq, text):
+    async def extend(self, seq, text, literal=()):
         seq.ids += self._vocab.encode(text)
         seq.text += text
         if len(seq.ids) > seq.max_len:
