@@ -170,8 +170,10 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
 
 
 def bound_names(q: QueryAST) -> set[str]:
-    """Names the query binds itself: holes, assignment and `for` targets."""
+    """Names the query binds itself: holes, assignment and `for` targets, `:=` anywhere."""
     bound = set(holes_of(q))
+    for code in iter_code(q):
+        bound |= _walrus_targets(code)
     for s in walk_stmts(q.body):
         if isinstance(s, Exec):
             bound |= s.stmt.assigned
@@ -182,6 +184,17 @@ def bound_names(q: QueryAST) -> set[str]:
         elif isinstance(s, With):
             bound |= {n for item in s.items if item.target is not None for n in item.target.assigned}
     return bound
+
+
+def _walrus_targets(code: PyExpr | PyStmt) -> set[str]:
+    """The names `code` binds with `:=` (`"{(n := len(xs))} items, {n}"`)."""
+    if ":=" not in code.source:
+        return set()
+    try:
+        tree = ast.parse(code.source.strip(), mode="eval" if isinstance(code, PyExpr) else "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    return {n.target.id for n in ast.walk(tree) if isinstance(n, ast.NamedExpr) and isinstance(n.target, ast.Name)}
 
 
 def free_names(q: QueryAST) -> set[str]:

@@ -138,6 +138,14 @@ async def test_missing_input_is_an_error_before_any_model_call(make_backend):
     assert backend.stats().lookups == 0
 
 
+async def test_a_name_bound_with_walrus_is_no_input(make_backend):
+    backend = make_backend()
+    q = lmq.compile('"{(n := len(items))} items: {n}, {items[0]}[X]" where len(TOKENS(X)) < 2', model=backend)
+    assert (await q(items=["a", "b"])).prompt.startswith("2 items: 2, a")
+    with pytest.raises(lmq.LMQInputError, match="items"):
+        await q()
+
+
 async def test_hole_that_cannot_close_within_max_len(make_backend):
     q = lmq.compile('argmax(max_len=40)\n    "Go:[X]" where X in ["' + "a" * 400 + '"]', model=make_backend())
     with pytest.raises(lmq.LMQLengthError, match="max_len"):
