@@ -42,7 +42,7 @@ class QueryTransformer(Transformer):
         "return_stmt", "pass_stmt", "break_stmt", "continue_stmt", "import_stmt", "raise_stmt", "assert_stmt",
         "del_stmt", "global_stmt", "nonlocal_stmt", "if_stmt", "elif_clause", "else_clause", "for_stmt",
         "while_stmt", "try_stmt", "except_clause", "finally_clause", "with_stmt", "def_stmt", "class_stmt",
-        "decorated_stmt", "suite",
+        "decorated_stmt", "suite", "yield_stmt",
     })
     # plain Python as a whole: their bodies are not query statements (a docstring is no prompt)
     OPAQUE = frozenset({"def_stmt", "class_stmt", "decorated_stmt"})
@@ -137,7 +137,7 @@ class QueryTransformer(Transformer):
     def _exec(self, meta, children):
         return Exec(self._stmt(meta))
 
-    import_stmt = raise_stmt = assert_stmt = del_stmt = global_stmt = nonlocal_stmt = _exec
+    import_stmt = raise_stmt = assert_stmt = del_stmt = global_stmt = nonlocal_stmt = yield_stmt = _exec
 
     def _block_stmt(self, meta, children):
         """A def or a class (decorated or not): one Python statement, its text re-indented as written."""

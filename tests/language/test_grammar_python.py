@@ -95,7 +95,7 @@ def test_walk_visits_every_block():
 
 
 @pytest.mark.parametrize("source,message", [
-    ('yield 1', "unexpected"),
+    ('yield 1', "'yield' outside function"),
     ('"a"\nwhile x:\n"b"', "expected an indented block"),
     ('try:\n    pass\n', "unexpected"),
     ('"a" distribution X', "must have the form `VAR in <options>`"),

@@ -166,6 +166,29 @@ return total(), Box.size, lambda_value(3)
     assert await q.run({}, make_backend("llama")) == (4, 10, 6)
 
 
+async def test_generators_defined_in_the_query(make_backend):
+    q = lmq.compile('''
+def evens(n):
+    for i in range(n):
+        if i % 2 == 0:
+            yield i
+    yield from [10]
+async def ticks():
+    yield "a"
+    yield "b"
+async def collect():
+    out = []
+    async for t in ticks():
+        out.append(t)
+    return out
+"Evens:{list(evens(5))}[X]" where len(TOKENS(X)) < 2
+return list(evens(3)), await collect()
+''')
+    assert await q.run({}, make_backend("llama")) == ([0, 2, 10], ["a", "b"])
+    with pytest.raises(lmq.LMQSyntaxError, match="'yield' outside function"):
+        lmq.compile('"A"\nyield 1')
+
+
 async def test_beam_decoders_replay_loops_and_try(make_backend):
     backend = make_backend("llama")
     q = lmq.compile('''
