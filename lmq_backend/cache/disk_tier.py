@@ -3,7 +3,9 @@
 Folder (default `paths.cache_dir()/kv`; `default_folder`):
 
     .lock                        flock'ed while a file is put in place, files are evicted or the folder cleared
-    tmp/                         files being written (each process its own names), renamed into place when whole
+    tmp/                         files being written (named by host, pid and thread), renamed into place when
+                                 whole; one a dead process of this host left goes at the next write, any after
+                                 an hour
     <model>/model.json           what <model> is (name, dtype, device, K/V shape): for `lmq cache ls`
     <model>/<start>/<end>.kv     a segment: <start> = prefix_key(ids[:start]), <end> = prefix_key(ids[:end])
 
@@ -43,6 +45,7 @@ import mmap
 import os
 import queue
 import re
+import socket
 import struct
 import sys
 import threading
@@ -71,8 +74,9 @@ BLOCK = 4096
 ALIGN = 64
 TRAILER = struct.Struct("<8sIIQQ")
 PENDING_BYTES = 1 << 29   # files queued beyond this are not written (a cache may drop what it cannot keep up with)
-STALE_TEMP_SECONDS = 3600
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)  # a temp file this old was left by a process that died while writing
+STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a writer that died (of another host: its pid says nothing)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
+_HOST = socket.gethostname()
 DISK_ENV = "LMQ_DISK_CACHE"
 OFF = ("", "0", "off", "none", "false", "no")
 
@@ -405,7 +409,7 @@ class DiskTier:
         payload_crc = payload_checksum(payload)
         tmp = self.folder / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        part = tmp / f"{os.getpid()}-{threading.get_ident()}-{seg.key}.part"
+        part = tmp / f"{_HOST}-{os.getpid()}-{threading.get_ident()}-{seg.key}.part"
         try:
             with open(part, "wb") as f:
                 f.write(head)
@@ -529,12 +533,26 @@ def _make_room(folder: Path, budget: int) -> None:
         with os.scandir(folder / "tmp") as it:
             for e in it:
                 try:
-                    if now - e.stat().st_mtime > STALE_TEMP_SECONDS:
+                    if _left(e.name) or now - e.stat().st_mtime > STALE_TEMP_SECONDS:
                         os.unlink(e.path)
                 except OSError:
                     pass
     except FileNotFoundError:
         pass
+
+
+def _left(name: str) -> bool:
+    """Is the temp file `name` one a process of this host left when it died (killed while it wrote)?"""
+    host, pid, *_ = [*name.rsplit("-", 3), "", ""]
+    if host != _HOST or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (alive, another user's)
+        return False
+    return False
 
 
 def usage(folder: Path) -> list[ModelUsage]:

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -378,6 +379,20 @@ def test_a_file_that_evicts_the_last_of_its_own_start_folder_is_kept(tmp_path):
         warnings.simplefilter("error")
         path = put_on_disk(tier, second)
     assert files(tmp_path / "kv") == [path] and tier.read(path) is not None
+
+
+def test_a_temp_file_a_dead_writer_left_goes_at_the_next_write(tmp_path):
+    """A writer killed while it wrote leaves its temp file: the next write removes it where its process (of this
+    host) is gone; another host's, whose process may be alive, stays until it is an hour old."""
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)
+    (tmp_path / "tmp").mkdir()
+    dead = tmp_path / "tmp" / f"{socket.gethostname()}-{pid}-1-{'ab' * 16}.part"
+    remote = tmp_path / "tmp" / f"elsewhere-{pid}-1-{'cd' * 16}.part"
+    for path in (dead, remote):
+        path.write_bytes(b"x" * 1000)
+    put_on_disk(disk(tmp_path), segment(list(range(100)), 0))
+    assert not dead.exists() and remote.exists()
 
 
 def test_a_disk_folder_that_is_no_folder_is_a_clear_error(model, tokenizer, tmp_path):
