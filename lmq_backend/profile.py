@@ -9,7 +9,6 @@ Python users get the same pieces: `read_inputs`, `profile_query` (returns a `Pro
 from __future__ import annotations
 
 import asyncio
-import builtins
 import json
 import sys
 import time
@@ -60,10 +59,9 @@ class LMQInputLineError(LMQInputError):
 
 def query_inputs(query) -> tuple[set[str], set[str]]:
     """(required, accepted) input names of a compiled query: the names it reads and does not bind
-    (`free_names`) are the ones it takes; those the query's scope or Python's builtins do not provide
-    are required."""
-    names = set(free_names(query.ast))
-    accepted = names - set(dir(builtins))
+    (`free_names`: a builtin's name alone in `{...}` included) are the ones it takes; those the query's scope
+    does not provide are required."""
+    accepted = set(free_names(query.ast))
     return accepted - set(query.scope), accepted
 
 

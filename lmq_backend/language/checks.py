@@ -199,11 +199,18 @@ def _walrus_targets(code: PyExpr | PyStmt) -> set[str]:
 
 def free_names(q: QueryAST) -> set[str]:
     """Names the query reads but does not bind itself (not holes, not assigned, not for targets, not
-    builtins): the inputs and globals it needs."""
+    builtins): the inputs and globals it needs. A builtin's name written alone into a prompt (`{input}`,
+    `{id}`, `{type}`: a data set's field, never the function) is an input too."""
     names: set[str] = set()
     for code in iter_code(q):
         names |= code.names
-    return names - bound_names(q) - BUILTIN_NAMES
+    return names - bound_names(q) - (BUILTIN_NAMES - _interpolated_names(q))
+
+
+def _interpolated_names(q: QueryAST) -> set[str]:
+    """The names written alone in `{...}` of a prompt string."""
+    return {p.expr.source.strip() for s in walk_stmts(q.body) if isinstance(s, Prompt)
+            for p in s.pieces if isinstance(p, Interp)}
 
 
 # ----- checks ---------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast as pyast
 import asyncio
-import builtins
 import contextlib
 import inspect
 import textwrap
@@ -71,7 +70,7 @@ class Query:
         self.model = model if model is not None else (self.ast.model or "default")
         first = next((line.strip() for line in source.strip().splitlines() if line.strip()), "query")
         self.name = name or first[:60]
-        self._needs = free_names(self.ast) - set(dir(builtins))
+        self._needs = free_names(self.ast)
         self._returns = _has_return(self.ast.body)
         self.program = compile_program(self.ast, self.name)
         self._check_types()

@@ -146,6 +146,19 @@ async def test_a_name_bound_with_walrus_is_no_input(make_backend):
         await q()
 
 
+async def test_an_input_named_like_a_builtin(make_backend):
+    """`{input}`, `{id}`: a data set's fields, never Python's functions: inputs the call must give (and that a
+    JSONL line of `lmq profile` may hold), where a builtin called by the query is still the builtin."""
+    from lmq_backend.profile import query_inputs
+
+    backend = make_backend()
+    q = lmq.compile('"{id}: {input} ({len(input)})[X]" where len(TOKENS(X)) < 2', model=backend)
+    assert (await q(input="hi", id=7)).prompt.startswith("7: hi (2)")
+    with pytest.raises(lmq.LMQInputError, match="input"):
+        await q(id=7)
+    assert query_inputs(q) == ({"id", "input"}, {"id", "input"})
+
+
 async def test_hole_that_cannot_close_within_max_len(make_backend):
     q = lmq.compile('argmax(max_len=40)\n    "Go:[X]" where X in ["' + "a" * 400 + '"]', model=make_backend())
     with pytest.raises(lmq.LMQLengthError, match="max_len"):
