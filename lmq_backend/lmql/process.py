@@ -182,6 +182,7 @@ class ProcessHandle:
         if self.error is not None:
             raise LMTPStreamError(self.error)
         stream_id, queue = self.process.open_stream()
+        streamed = False
         try:
             self.process.send(self.args_key, self.kwargs, cmd,
                               {**payload, "model": self.model_identifier, "stream_id": stream_id})
@@ -191,7 +192,13 @@ class ProcessHandle:
                 else:
                     item = await queue.get()
                 if item.get("error") is not None:
+                    if streamed:
+                        # LMQL's cache reads the tokens after the first and only warns of an error there, leaving
+                        # its call waiting for them: the stream ends, LMQL asks again, and that request gets the
+                        # error at its first token (a process that died stays failed) or is served
+                        return
                     raise LMTPStreamError(item["error"])
+                streamed = True
                 yield item
                 if until_first or item.get("finish_reason") is not None:
                     return

@@ -85,6 +85,34 @@ async def test_a_dead_model_process_is_an_error_and_the_next_call_restarts_it(ti
     assert await ask(m) == first  # LMQL's next call gets a new process
 
 
+async def test_a_model_process_dying_while_tokens_stream_is_an_error(tiny_folder, monkeypatch):  # noqa: F811
+    """The process dies after a call's first tokens came: LMQL's cache only warns of an error inside a stream,
+    so the stream ends there; LMQL asks for the next token again and gets the error (not a hang)."""
+    from lmql.models.lmtp.errors import LMTPStreamError
+
+    spec = f"hf:{tiny_folder}"
+    m = lmql.model(f"local:lmq:{spec}")
+    await ask(m)  # (its process runs)
+    streaming = lmql_process.ProcessHandle.generate
+
+    async def dying(self, prompt, **kwargs):
+        async for n, token in _numbered(streaming(self, prompt, **kwargs)):
+            yield token
+            if n == 20:
+                self.process.proc.kill()
+
+    monkeypatch.setattr(lmql_process.ProcessHandle, "generate", dying)
+    with pytest.raises(LMTPStreamError, match="killed by signal 9"):
+        await asyncio.wait_for(lmql.run('"A long story:[X]" where len(TOKENS(X)) < 200', model=m), GUARD_S)
+
+
+async def _numbered(stream):
+    n = 0
+    async for item in stream:
+        n += 1
+        yield n, item
+
+
 async def test_cuda_true_without_cuda_runs_on_the_cpu(tiny_folder):  # noqa: F811
     import torch
 
