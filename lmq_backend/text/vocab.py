@@ -169,11 +169,15 @@ class VocabIndex:
         in the prompt, so encode behind an anchor ("\n", which never merges) and drop the anchor's ids."""
         if not text or not self._adds_leading_space:
             return self.encode(text)
-        anchor = self.encode("\n")
-        ids = self.encode("\n" + text)
+        return self._behind_anchor(text, self.encode)
+
+    def _behind_anchor(self, text: str, encode) -> list[int]:
+        """`encode(text)` as the text continues a sequence: encoded behind "\n", the anchor's ids dropped."""
+        anchor = encode("\n")
+        ids = encode("\n" + text)
         if ids[: len(anchor)] == anchor and self.decode_bytes(ids[len(anchor):]) == text.encode("utf-8"):
             return ids[len(anchor):]
-        return self.encode(text)
+        return encode(text)
 
     def specials_in(self, text: str, spans: Iterable[tuple[int, int]]) -> bool:
         """Does a special token's text (`<|im_end|>`, ...) occur in `text` over one of the `spans` (values
@@ -220,11 +224,7 @@ class VocabIndex:
         earlier text (a SentencePiece tokenizer puts no "▁" before it: encoded behind the "\n" anchor)."""
         if first or not self._adds_leading_space:
             return self._encode_plain(text)
-        anchor = self._encode_plain("\n")
-        ids = self._encode_plain("\n" + text)
-        if ids[:len(anchor)] == anchor and self.decode_bytes(ids[len(anchor):]) == text.encode("utf-8"):
-            return ids[len(anchor):]
-        return self._encode_plain(text)
+        return self._behind_anchor(text, self._encode_plain)
 
     def _encode_plain(self, text: str) -> list[int]:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
