@@ -178,13 +178,16 @@ async def test_sampled_constrained_soak_values_hold(tokenizer, model):
         return (await q()).variables
 
     done = await run_cancelling(one, 300, rng, cancelled=30, turns=100, chance=0.05)
-    values = [r for r in done if not isinstance(r, asyncio.CancelledError)]
-    assert len(values) > 250 and all(isinstance(r, dict) for r in values), \
-        [r for r in values if not isinstance(r, dict)][:3]
+    finished = [r for r in done if not isinstance(r, asyncio.CancelledError)]
+    # a JSON value its token limit cuts is refused (the random model's strings run long), never returned
+    refused = [r for r in finished if isinstance(r, lmq.LMQUnsatisfiedError)]
+    values = [r for r in finished if isinstance(r, dict)]
+    assert len(finished) > 250 and len(values) + len(refused) == len(finished) and len(values) > 100, \
+        [r for r in finished if not isinstance(r, (dict, lmq.LMQUnsatisfiedError))][:3]
+    assert all("hole [J]: the constraint cannot be satisfied: the token limit" in str(e) for e in refused), refused[:3]
     for r in values:
         assert re.fullmatch(r"[a-z ]{1,40}", r["A"]), r
-        if r["J"].endswith("}"):  # (else cut by its token limit)
-            assert json.loads(r["J"])["k"] in ("a", "b", "c"), r
+        assert json.loads(r["J"])["k"] in ("a", "b", "c"), r
     assert backend.scheduler.preemptions > 0
     check(backend)
     assert backend.trie.pinned_nodes() == 0 and backend.scheduler.pool.rows == 0

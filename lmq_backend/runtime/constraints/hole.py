@@ -20,9 +20,10 @@ What the backend calls, per token of the value (`HFBackend.generate`):
 
 - allowed() returns an array the caller may modify, or a read-only one that states share (a constraint's
   memoized mask: copy it to modify); after a stop, or once the token limit is reached, it is all False. It is
-  computed once per token (advance() invalidates it). Under a constraint on the text, before the last token
-  the limit lets the value take, it holds only the tokens after which the value may end (each tried, where
-  at most LOOKAHEAD_MAX are allowed): `X in [...] and len(TOKENS(X)) < 2` takes a one-token option.
+  computed once per token (advance() invalidates it). Under a constraint on the text of lmq's own masks
+  (options, INT, STARTS_WITH, ...; not llguidance's), before the last token the limit lets the value take, it
+  holds only the tokens after which the value may end (each tried, where at most LOOKAHEAD_MAX are allowed):
+  `X in [...] and len(TOKENS(X)) < 2` takes a one-token option.
 - A stop rule that ends the value where the rest of the constraint does not let it end (a token limit in the
   middle of an option, `STOPS_AT` before a REGEX is matched) gives a `Stop` that says so (`broken`): the
   backend refuses that value with an error, a beam drops it; never a value that breaks its constraint.
@@ -109,9 +110,12 @@ class HoleState:
 
     def _last_before_limit(self) -> bool:
         """Is the next token the last the token limit lets the value take (so the value must be able to end
-        after it), under a constraint on the text?"""
+        after it), under a constraint on the text that is lmq's own mask? (Not llguidance's REGEX / JSON /
+        GRAMMAR: their picks check one token against the constraint, `allows`, where the look-ahead would need
+        the whole mask; a value the limit cuts there is refused.)"""
         limit = self.hc.max_tokens
-        return limit is not None and len(self.ctx.tokens) == limit - 1 and not self.hc.free
+        return (limit is not None and len(self.ctx.tokens) == limit - 1 and not self.hc.free
+                and self.hc.node.looks_ahead)
 
     def _ending(self, mask: np.ndarray | None) -> np.ndarray | None:
         """Of the tokens in `mask`, those after which the value may end (the token limit ends it there): each

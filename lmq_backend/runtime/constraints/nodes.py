@@ -23,6 +23,8 @@ class _Node:
     # whether its states' masks cost far more than checking one token (`_State.allows`): a greedy pick then
     # checks the unconstrained pick first (`HoleLoop`); llguidance's (llg.py)
     checks_tokens = False
+    # whether the last token a token limit allows is chosen among those the value may end after (`HoleState`)
+    looks_ahead = True
 
     def state(self, ctx: _Ctx) -> "_State":
         raise NotImplementedError
@@ -75,6 +77,7 @@ class _AndNode(_Node):
     def __init__(self, parts: list[_Node]):
         self.parts = parts
         self.checks_tokens = any(p.checks_tokens for p in parts)
+        self.looks_ahead = all(p.looks_ahead for p in parts)
 
     def state(self, ctx):
         return _AndState([p.state(ctx) for p in self.parts])
@@ -113,6 +116,7 @@ class _OrNode(_Node):
     def __init__(self, parts: list[_Node]):
         self.parts = parts
         self.checks_tokens = any(p.checks_tokens for p in parts)
+        self.looks_ahead = all(p.looks_ahead for p in parts)
 
     def state(self, ctx):
         return _OrState([p.state(ctx) for p in self.parts])
@@ -157,6 +161,7 @@ class _NotNode(_Node):
 
     def __init__(self, part: _Node):
         self.part = part
+        self.looks_ahead = part.looks_ahead
 
     def state(self, ctx):
         return _NotState(self.part.state(ctx))
