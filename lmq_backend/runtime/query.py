@@ -181,8 +181,11 @@ class Query:
         """Blocking call, for scripts and notebooks."""
         return _run_sync(self(*args, **kwargs))
 
-    async def map(self, inputs: Iterable[dict[str, Any]], concurrency: int = 32, progress: bool = False) -> list:
-        """Run over many inputs, at most `concurrency` at a time; results in input order."""
+    async def map(self, inputs: Iterable[dict[str, Any]], concurrency: int = 32, progress: bool = False,
+                  return_exceptions: bool = False) -> list:
+        """Run over many inputs, at most `concurrency` at a time; results in input order. A failing input fails
+        alone: with `return_exceptions` its exception takes its place in the list, else the first failure (in
+        input order) is raised once every call has finished (as `Cluster.map`)."""
         from asyncio_pool import AioPool
 
         items = list(inputs)
@@ -202,7 +205,13 @@ class Query:
         try:
             async with AioPool(size=max(1, concurrency)) as pool:
                 futures = [await pool.spawn(one(item)) for item in items]
-            return [f.result() for f in futures]
+            out = []
+            for f in futures:
+                error = f.exception()
+                if error is not None and not return_exceptions:
+                    raise error
+                out.append(f.result() if error is None else error)
+            return out
         finally:
             if bar is not None:
                 bar.close()

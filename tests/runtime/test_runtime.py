@@ -185,6 +185,17 @@ return items
     assert backend.trie.pinned_nodes() == 0
 
 
+async def test_map_keeps_the_other_results_where_an_input_fails(make_backend):
+    backend = make_backend()
+    q = lmq.compile('"Review: {review}\\nSentiment:[X]" where X in [" good", " bad"]', model=backend)
+    inputs = [{"review": "fine"}, {}, {"review": "awful"}]
+    out = await q.map(inputs, concurrency=2, return_exceptions=True)
+    assert isinstance(out[1], lmq.LMQInputError) and [r["X"] for r in (out[0], out[2])] == [
+        (await q(review="fine"))["X"], (await q(review="awful"))["X"]]
+    with pytest.raises(lmq.LMQInputError, match="review"):
+        await q.map(inputs)
+
+
 def test_cli_reads_stdin_and_reports_errors():
     query = '"Say:[X]" where len(TOKENS(X)) < 3\n'
     out = subprocess.run([sys.executable, "-m", "lmq_backend.cli", "run", "-", "--json"], input=query,
