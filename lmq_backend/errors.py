@@ -59,6 +59,17 @@ class LMQUnsatisfiedError(LMQRuntimeError):
         super().__init__(message)
         self.text = text
 
+    @classmethod
+    def after(cls, text: str) -> "LMQUnsatisfiedError":
+        """No token can extend the value `text`, and it may not end there."""
+        return cls(f"the constraint cannot be satisfied after {text!r}", text)
+
+    @classmethod
+    def cut(cls, rule: str, text: str) -> "LMQUnsatisfiedError":
+        """The stop rule `rule` ended the value at `text`, where the rest of its constraint does not let it end."""
+        return cls(f"the constraint cannot be satisfied: {rule} ended the value at {text!r}, where the rest of its "
+                   f"constraint does not let it end", text)
+
 
 class LMQBackendError(LMQError):
     """A backend could not be found, loaded or used."""

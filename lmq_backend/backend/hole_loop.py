@@ -139,7 +139,7 @@ class HoleLoop:
         if not extends:
             if can_end:
                 return False  # closed: no token can extend the value, so no forward is needed
-            raise LMQUnsatisfiedError(f"the constraint cannot be satisfied after {state.text!r}", state.text)
+            raise LMQUnsatisfiedError.after(state.text)
         if self.backend.at_max_len(self.seq, self.prompt_len + len(self.generated), can_end):
             return False
         if not self._pending:
@@ -207,7 +207,7 @@ class HoleLoop:
         # are made with the step's other rows' (`_plan`), until an unconstrained pick holds again (`_pick`)
         extendable, extends, under = masks.under(state.allowed())
         if not extends:  # (what `_plan` says where it computes the mask)
-            raise LMQUnsatisfiedError(f"the constraint cannot be satisfied after {state.text!r}", state.text)
+            raise LMQUnsatisfiedError.after(state.text)
         return self.sampler.select(logits[i], torch.from_numpy(extendable) if under is None else under)
 
     def value(self, computed: int) -> tuple[str, list[int], int]:
@@ -218,8 +218,7 @@ class HoleLoop:
             return self.state.text, self.generated, computed
         stop = self.stop
         if stop.broken:
-            raise LMQUnsatisfiedError(f"the constraint cannot be satisfied: {stop.broken} ended the value at "
-                                      f"{stop.text!r}, where the rest of its constraint does not let it end", stop.text)
+            raise LMQUnsatisfiedError.cut(stop.broken, stop.text)
         ids = self.generated[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
         return stop.text, ids, min(computed, stop.keep)
 

@@ -286,8 +286,7 @@ class BeamSearch:
             self.error = e
             return None
         if not nt.ids and nt.end is None:
-            self.error = LMQUnsatisfiedError(f"the constraint cannot be satisfied after {beam.state.text!r}",
-                                             beam.state.text)
+            self.error = LMQUnsatisfiedError.after(beam.state.text)
             return None
         return nt
 
@@ -306,9 +305,7 @@ class BeamSearch:
         stop = state.advance(choice)
         tokens = [*beam.tokens, choice]
         if stop is not None and stop.broken:  # (a value its constraint refuses: this beam ends here)
-            self.error = LMQUnsatisfiedError(f"the constraint cannot be satisfied: {stop.broken} ended the value at "
-                                             f"{stop.text!r}, where the rest of its constraint does not let it end",
-                                             stop.text)
+            self.error = LMQUnsatisfiedError.cut(stop.broken, stop.text)
             return None
         if stop is not None:
             ids = tokens[: stop.keep] + self.backend.vocab.encode_continuation(stop.tail)
