@@ -109,13 +109,15 @@ def cmd_run(args) -> int:
 def _cache_folder(args):
     from pathlib import Path
 
-    from .cache.disk_tier import default_folder
+    from .cache.disk_tier import check_folder, default_folder
 
     folder = Path(args.dir).expanduser() if args.dir else default_folder()
     if folder is None:
         raise SystemExit("lmq: the disk tier is off ($LMQ_DISK_CACHE); name a folder with --dir")
-    if folder.exists() and not folder.is_dir():
-        raise SystemExit(f"lmq: {folder} is not a folder")
+    try:
+        check_folder(folder)
+    except NotADirectoryError as e:
+        raise SystemExit(f"lmq: {e}") from None
     return folder
 
 

@@ -92,13 +92,18 @@ def default_folder() -> Path | None:
     value = os.environ.get(DISK_ENV)
     if value is None:
         return cache_dir() / "kv"
-    return None if value.strip().lower() in OFF else Path(value).expanduser()
+    return None if _off(value) else Path(value).expanduser()
+
+
+def _off(value: str) -> bool:
+    """Does $LMQ_DISK_CACHE's (or a `disk_cache=` string's) value turn the disk tier off?"""
+    return value.strip().lower() in OFF
 
 
 def resolve_folder(disk_cache) -> Path | None:
     """`disk_cache=` of a backend: None/False or a string $LMQ_DISK_CACHE reads as off ("", "off", ...: off),
     True or "default" (`default_folder()`) or a folder."""
-    if disk_cache is None or disk_cache is False or (isinstance(disk_cache, str) and disk_cache.strip().lower() in OFF):
+    if disk_cache is None or disk_cache is False or (isinstance(disk_cache, str) and _off(disk_cache)):
         return None
     if disk_cache is True or disk_cache == "default":
         return default_folder()
