@@ -238,10 +238,10 @@ class HoleState:
     def _make_stop(self, end: int, fired=None) -> Stop:
         """The value a stop rule (`fired`, a stop string; None: the token limit) ended at byte `end`."""
         value = self.ctx.value
-        rule = str(fired) if fired is not None else f"the token limit ({self.hc.max_tokens} tokens)"
         if end == len(value):  # (every token kept, no tail: the state holds the value as it ends)
-            broken = "" if self.hc.free or self.root.can_end() else rule
-            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="", broken=broken)
+            ok = self.hc.free or self.root.can_end()
+            return Stop(text=value.decode("utf-8", errors="replace"), keep=len(self.ctx.ends), tail="",
+                        broken="" if ok else self._rule(fired))
         keep = 0
         for i, e in enumerate(self.ctx.ends):
             if e > end:
@@ -252,9 +252,13 @@ class HoleState:
         start = self.ctx.ends[keep - 1] if keep else 0
         tail = bytes(value[start:end]).decode("utf-8", errors="replace")
         # the value's own ids (as the backend takes them: the kept tokens, the tail tokenized) on a fresh state
-        broken = "" if self.hc.free or self._ends_after(
-            [*self.ctx.tokens[:keep], *self.hc.vocab.encode_continuation(tail)]) else rule
-        return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep, tail=tail, broken=broken)
+        ok = self.hc.free or self._ends_after([*self.ctx.tokens[:keep], *self.hc.vocab.encode_continuation(tail)])
+        return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep, tail=tail,
+                    broken="" if ok else self._rule(fired))
+
+    def _rule(self, fired) -> str:
+        """The stop rule that fired, as `Stop.broken` names it (`fired` None: the token limit)."""
+        return str(fired) if fired is not None else f"the token limit ({self.hc.max_tokens} tokens)"
 
 
 def _not_a_value(token: int) -> NoReturn:
