@@ -20,14 +20,17 @@ The prefix cache's side (`prefix_cache.py`, which owns the tiers; each line mark
                               in a worker thread reads the files that continue the device and host matches
                               (mapped, checked)
     PrefixCache.lookup        after the trie's match                                         -> `load`
-    (a prefill, ModelRunner)  the request's own part of its prefix into its slots             -> `Loads.into`
+    (a prefill, ModelRunner)  the request's own part of its prefix into its slots             -> `queue_loads`
     PrefixCache.observe_prefill  the prefill's new tokens and time (`Scheduler`)            -> `observe_prefill`
 
 On a GPU a node going down is gathered on the compute stream and copied into a region of the host tier's pinned
-arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event); a
-load goes up on the compute stream (the host does not wait; the prefill reading it is queued after it), so a
-copy down, queued after the compute stream's work, never overwrites an arena region a copy up still reads. A
-file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every copy is plain.
+arena on a side stream (the compute stream never waits for it; whoever reads the copy waits for its event). A
+load into fresh trie slots goes up on the compute stream (the host does not wait; the prefill reading it is
+queued after it); a prefill's loads into its rows' own slots go up on a loading stream, layer by layer, each
+layer of the prefill waiting for its own (`queue_loads`: the later layers' copies run while the first layers
+compute). A copy down waits for the work queued so far on both, so it never overwrites an arena region a copy
+up still reads. A file's K/V is copied into pinned memory by the worker thread that read it. On the CPU every
+copy is plain.
 
 When to load (`worth`): a segment is loaded when moving its bytes at the tier's measured bandwidth takes less
 time than prefilling its tokens at the fastest prefill speed seen so far (new tokens / time from a prefill's
@@ -72,6 +75,7 @@ class CacheTiers:
         self.min_tokens = min_tokens
         self.cuda = store.device.type == "cuda"
         self._side: torch.cuda.Stream | None = None    # copies down
+        self._loading: torch.cuda.Stream | None = None  # a prefill's loads into its rows' own slots (`queue_loads`)
         self._lock = threading.Lock()
         self._reading: dict[Path, threading.Event] = {}
         self._read: "weakref.WeakValueDictionary[Path, Segment]" = weakref.WeakValueDictionary()
@@ -184,8 +188,10 @@ class CacheTiers:
         host = into if into is not None else torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
         side = self._side_stream()
         # after the compute stream's work queued so far: the gather, and every copy up (a region of the arena
-        # given back may be one they still read)
+        # given back may be one they still read), on either stream
         side.wait_stream(torch.cuda.current_stream(self.store.device))
+        if self._loading is not None:
+            side.wait_stream(self._loading)
         with torch.cuda.stream(side):
             host.copy_(on_device, non_blocking=True)
             done = torch.cuda.Event()
@@ -197,6 +203,11 @@ class CacheTiers:
         if self._side is None:
             self._side = torch.cuda.Stream(self.store.device)
         return self._side
+
+    def _loading_stream(self) -> torch.cuda.Stream:
+        if self._loading is None:
+            self._loading = torch.cuda.Stream(self.store.device)
+        return self._loading
 
     # ----- up -------------------------------------------------------------------------------------------
 
@@ -393,6 +404,76 @@ class CacheTiers:
             torch.cuda.synchronize(self.store.device)
             self._measure(tier, seg.nbytes, time.perf_counter() - started)
 
+    # ----- a prefill's loads ----------------------------------------------------------------------------
+
+    def queue_loads(self, jobs: list[tuple["Loads", np.ndarray]]) -> tuple[list[int], list | None]:
+        """The K/V of a prefill's rows' `Loads` into their own store slots (`jobs`: each row's loads and its slots
+        for them), before the prefill reads them. On the CPU, copied now. On a GPU, queued layer by layer on a
+        stream of their own: each segment's layer copied up once (rows that share a segment share the copy),
+        then one scatter into the store a layer, and an event after each layer: the prefill's layer l waits
+        for event l alone, so the later layers' copies run while the first layers compute (as SGLang's
+        hierarchical cache loads, layer by layer). Returns (the jobs whose tier failed: their rows compute
+        those tokens; the layers' events, None where the copies are done)."""
+        if not self.cuda:
+            return [i for i, (loads, slots) in enumerate(jobs) if not loads.into(slots)], None
+        compute = torch.cuda.current_stream(self.store.device)
+        loading = self._loading_stream()
+        timed = "host" not in self.bandwidth
+        try:
+            if timed:
+                torch.cuda.synchronize(self.store.device)
+                started = time.perf_counter()
+            events, nbytes = self._queue_layers(jobs, compute, loading)
+            if timed:
+                torch.cuda.synchronize(self.store.device)
+                self._measure("host", nbytes, time.perf_counter() - started)
+        except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
+            compute.wait_stream(loading)  # (what was queued lands before the prefill writes those slots)
+            self._warn(e)
+            return list(range(len(jobs))), None
+        for loads, _ in jobs:
+            loads.count()
+        return [], events
+
+    def _queue_layers(self, jobs: list[tuple["Loads", np.ndarray]], compute: torch.cuda.Stream,
+                      loading: torch.cuda.Stream) -> tuple[list[torch.cuda.Event], int]:
+        """`queue_loads` on a GPU: the layers' events and the bytes copied up."""
+        data = self.store.data                                   # [L, 2, slots, H_kv, D]
+        layers, _, capacity, heads, head_dim = data.shape
+        placed: dict[int, tuple[Segment, int]] = {}              # id(segment) -> (it, its first row in `staging`)
+        rows = 0
+        k_rows, v_rows, into = [], [], []
+        for loads, slots in jobs:
+            at = 0
+            for seg, offset, k, _ in loads.pieces:
+                if id(seg) not in placed:
+                    placed[id(seg)] = (seg, rows)
+                    rows += 2 * seg.tokens
+                first = placed[id(seg)][1] + offset
+                k_rows.append(np.arange(first, first + k))
+                v_rows.append(np.arange(first + seg.tokens, first + seg.tokens + k))
+                into.append(slots[at:at + k])
+                at += k
+        into_rows = np.concatenate(into).astype(np.int64)
+        index = np.stack([np.concatenate(k_rows + v_rows), np.concatenate([into_rows, into_rows + capacity])])
+        loading.wait_stream(compute)  # (the slots were handed out after the compute stream's work queued so far)
+        for seg, _ in placed.values():
+            if seg.ready is not None:  # (a copy down still running)
+                loading.wait_event(seg.ready)
+        events = []
+        with torch.cuda.stream(loading):
+            index = torch.from_numpy(index).pin_memory().to(self.store.device, non_blocking=True)
+            for layer in range(layers):
+                staging = torch.empty(rows, heads, head_dim, dtype=data.dtype, device=self.store.device)
+                for seg, first in placed.values():
+                    staging[first:first + 2 * seg.tokens].view(2, seg.tokens, heads, head_dim).copy_(
+                        seg.kv[layer], non_blocking=True)
+                data[layer].view(2 * capacity, heads, head_dim).index_copy_(0, index[1], staging[index[0]])
+                event = torch.cuda.Event()
+                event.record(loading)
+                events.append(event)
+        return events, sum(seg.nbytes for seg, _ in placed.values())
+
     # ----- the cost model -----------------------------------------------------------------------------
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -459,25 +540,33 @@ class Loads:
         return len(self.ids)
 
     def into(self, slots: np.ndarray) -> bool:
-        """Copy the K/V into store `slots` (`tokens` of them, the request's own), queued on the device before
-        the prefill that reads them. False where a tier fails (one warning): the caller computes the tokens."""
-        tiers, at, hit = self.tiers, 0, set()
+        """Copy the K/V into store `slots` (`tokens` of them, the request's own), queued on the device's compute
+        stream before the prefill that reads them. False where a tier fails (one warning): the caller computes
+        the tokens. (A prefill's rows load through `CacheTiers.queue_loads`.)"""
+        tiers, at = self.tiers, 0
         try:
             for seg, offset, k, tier in self.pieces:
                 tiers._up(seg, offset, k, slots[at:at + k], tier)
                 at += k
-                hit.add(tier)
         except Exception as e:  # noqa: BLE001 - a tier that fails is a miss: the tokens are computed
             tiers._warn(e)
             return False
-        if self.counted is not None:  # (counted once: a prefill retried copies them again)
-            for seg, offset, k, tier in self.pieces:
-                tiers._count(tier, k)
-            hit -= self.counted
-            tiers.host_hits += "host" in hit
-            tiers.disk_hits += "disk" in hit
-            self.counted = None
+        self.count()
         return True
+
+    def count(self) -> None:
+        """The tiers' counters of a load done (once: a prefill retried copies the K/V again without counting; a
+        tier its lookup counted a hit of already is not counted again)."""
+        if self.counted is None:
+            return
+        tiers, hit = self.tiers, set()
+        for _, _, k, tier in self.pieces:
+            tiers._count(tier, k)
+            hit.add(tier)
+        hit -= self.counted
+        tiers.host_hits += "host" in hit
+        tiers.disk_hits += "disk" in hit
+        self.counted = None
 
 
 @dataclass(slots=True)

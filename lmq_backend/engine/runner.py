@@ -34,13 +34,24 @@ class PrefillRow:
     ids: list[int]
     loads: Loads | None = None
 
-    def load(self, slots: np.ndarray) -> None:
-        """Copy the loads into `slots` (the row's own, for them; again if the prefill is retried); where a tier
-        fails, the row computes those tokens instead (its length stays the same)."""
-        if not self.loads.into(slots):
-            self.cached -= self.loads.tokens
-            self.ids = [*self.loads.ids, *self.ids]
-            self.loads = None
+    def compute_loads(self) -> None:
+        """A tier failed to load the row's loads: the row computes those tokens instead (its length stays the
+        same)."""
+        self.cached -= self.loads.tokens
+        self.ids = [*self.loads.ids, *self.ids]
+        self.loads = None
+
+
+def load(jobs: list[tuple[PrefillRow, np.ndarray]]) -> list | None:
+    """The rows' loads into their slots (`jobs`: each row and its own slots for them; again if the prefill is
+    retried), through the tiers (`CacheTiers.queue_loads`); a row whose tier failed computes those tokens.
+    Returns the events the prefill's layers wait for (None: none)."""
+    if not jobs:
+        return None
+    failed, ready = jobs[0][0].loads.tiers.queue_loads([(row.loads, slots) for row, slots in jobs])
+    for i in failed:
+        jobs[i][0].compute_loads()
+    return ready
 
 
 class ModelRunner:
@@ -274,6 +285,11 @@ class ModelRunner:
         event.record()
         return event
 
+    def _after_loads(self, ready: list | None) -> None:
+        """The device's next work (a forward that reads every layer's K/V) after the loads' last layer."""
+        if ready:
+            torch.cuda.current_stream(self.device).wait_event(ready[-1])
+
     @torch.no_grad()
     def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and run their new tokens as one left-padded forward.
@@ -290,17 +306,20 @@ class ModelRunner:
         slots = pool.add_rows(lengths)
         for slot, row, n in zip(slots, rows, lengths):
             pool.set_row(slot, row.slots, n - len(row.slots))
-            if row.loads is not None:  # (its own slots for the tokens the tiers hold, then its new ones)
-                row.load(pool.row_slots(slot)[len(row.slots):row.cached])
+        # (a row's own slots for the tokens the tiers hold, then for its new ones)
+        ready = load([(row, pool.row_slots(slot)[len(row.slots):row.cached])
+                      for slot, row in zip(slots, rows) if row.loads is not None])
         width = max(len(r.ids) for r in rows)
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
             # The fused step costs a fraction of the model's forward (mostly Python, for one token).
             tokens = [r.ids[0] for r in rows]
+            self._after_loads(ready)
             return self._fused_decoder(pool).step_host(tokens, pool.start[: pool.rows], pool.end - 1).float(), slots
-        if self.fused_prefill:
-            logits = self._fused_decoder(pool).prefill([(r.ids, r.cached) for r in rows], slots[0], pool.end)
+        if self.fused_prefill:  # (each layer after its loads)
+            logits = self._fused_decoder(pool).prefill([(r.ids, r.cached) for r in rows], slots[0], pool.end, ready)
             return logits.float(), slots
+        self._after_loads(ready)
         b, first = len(rows), pool.end - longest
         ids = torch.zeros(b, width, dtype=torch.long)
         write = torch.zeros(b, width, dtype=torch.bool)

@@ -515,8 +515,8 @@ async def test_a_host_hit_the_trie_has_no_room_for_is_loaded_into_the_calls_own_
     to make room) and pinned by its call; the others find no room there, so their prefixes are copied from the
     host tier into their own slots and only their questions are prefilled. The same tokens as without a cache;
     what the trie refused is not copied down again (the host tier holds it); no slot is leaked. (On a GPU the
-    copies up from pinned memory and their scatter into the slots are queued on the compute stream before the
-    prefill that reads them.)"""
+    copies up from pinned memory and their scatter into the slots are queued layer by layer on a stream of their
+    own, each layer of the prefill waiting for its own: `CacheTiers.queue_loads`.)"""
     b, before, out, expected = await own_slots_run(model if device == "cpu" else peaked_llama_on_a_gpu(), tokenizer)
     assert out == expected
     s = b.stats()
@@ -550,6 +550,29 @@ async def test_a_failing_copy_into_a_calls_own_slots_computes_its_prefix(model, 
     s = b.stats()
     prefix_tokens = PREFIX // PER_TOKEN - 10
     assert s.host_hits - before.host_hits == 1 and s.tokens_from_host - before.tokens_from_host >= prefix_tokens
+    assert s.tokens_prefilled - before.tokens_prefilled >= 2 * prefix_tokens
+    assert b.trie.pinned_nodes() == 0
+    b.store.check(node_slots(b.trie), [])
+
+
+@pytest.mark.gpu
+async def test_loads_that_fail_after_their_copies_were_queued_compute_the_prefix_on_a_gpu(tokenizer):
+    """On a GPU, the loads into the two calls' own slots fail after their copies were queued on the loading
+    stream: the calls compute those tokens, their K/V written after the queued copies land (the compute stream
+    waits for them), so the answers are those without a cache."""
+    def queue_then_fail(b):
+        queue = b.tiers._queue_layers
+
+        def failing(*args):
+            queue(*args)
+            raise OSError("the device is gone")
+        b.tiers._queue_layers = failing
+    with pytest.warns(RuntimeWarning, match="a cache tier failed"):
+        b, before, out, expected = await own_slots_run(peaked_llama_on_a_gpu(), tokenizer, queue_then_fail)
+    assert out == expected
+    s = b.stats()
+    prefix_tokens = PREFIX // PER_TOKEN - 10
+    assert s.host_hits - before.host_hits == 1  # (the load into the trie)
     assert s.tokens_prefilled - before.tokens_prefilled >= 2 * prefix_tokens
     assert b.trie.pinned_nodes() == 0
     b.store.check(node_slots(b.trie), [])
@@ -799,7 +822,7 @@ async def test_exact_through_pinned_host_memory_on_a_gpu(tokenizer, tmp_path):
 async def test_calls_at_once_through_a_small_pinned_arena_on_a_gpu(tokenizer):
     """Twelve calls at once over four prefixes, twice, a trie that holds 1.5 of them and a host tier that holds
     two: segments go down (copied on the side stream) into arena regions that copies up queued before them (on the
-    compute stream) were reading; the answers are those of the calls one after another without a cache."""
+    compute stream, or the loading stream) were reading; the answers are those of the calls one after another without a cache."""
     model = peaked_llama_on_a_gpu()
     expected = await run(backend(model, tokenizer, cache_budget=0), CALLS)
     b = backend(model, tokenizer, cache_budget=int(1.5 * PREFIX), host_cache=3 * PREFIX)

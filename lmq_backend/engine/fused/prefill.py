@@ -41,6 +41,14 @@ def _parts(buffer: torch.Tensor, at: list[int], B: int, T: int) -> list[torch.Te
     return [buffer[a:a + n] for a, n in zip(at, (B * T, B * T, B, B, 1, 1, 1))]
 
 
+def _after(ready: list, attend):
+    """`attend`, each layer's after that layer's event in `ready` (on the stream it runs on)."""
+    def waiting(l: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        torch.cuda.current_stream(q.device).wait_event(ready[l])
+        return attend(l, q, scaling)
+    return waiting
+
+
 # Small prefills (a few rows' short new parts, the common case behind a warm trie) replay a CUDA graph per
 # bucket of rows and new tokens: eager, such a prefill waits on the host's ~150 launches for far longer than
 # the device takes to run them.
@@ -61,7 +69,8 @@ class Prefill(LayerOps):
     _prefill_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = None
 
     @torch.inference_mode()
-    def prefill(self, rows: list[tuple[list[int], int]], slot: int, end: int) -> torch.Tensor:
+    def prefill(self, rows: list[tuple[list[int], int]], slot: int, end: int, ready: list | None = None
+                ) -> torch.Tensor:
         """The forward of several new tokens per row, the step's layer loop over all of them at once.
 
         `rows`: per row (new token ids, cached count), in pool slots slot, slot + 1, ...: row b's cached K/V
@@ -71,11 +80,16 @@ class Prefill(LayerOps):
         prefill waits on the host for much of its time); attention reads the rows' columns through
         their page tables (see the module's docstring). Up to GRAPH_ROWS rows of up to GRAPH_TOKENS new tokens
         replay a CUDA graph captured for their bucket (`_captured`), where graphs are used; other shapes run
-        eagerly. Returns the rows' last-token logits [B, V] in the model's dtype (a new tensor)."""
+        eagerly. `ready`: per layer, an event after which the rows' cached K/V of that layer are in the store
+        (copies from the cache tiers still running: `CacheTiers.queue_loads`); the layer's attention waits
+        for it (a captured prefill, for the last). Returns the rows' last-token logits [B, V] in the model's
+        dtype (a new tensor)."""
         B, T = len(rows), max(len(ids) for ids, _ in rows)
         if not all(ids for ids, _ in rows) or slot + B > self.table.shape[0] or not T <= end <= self.S:
             raise ValueError(f"prefill of {B} rows x {T} tokens at slot {slot}, end {end} does not fit the pool")
         if self.use_graphs and self.paged_attention and B <= GRAPH_ROWS and T <= GRAPH_TOKENS:
+            if ready:
+                torch.cuda.current_stream(self.device).wait_event(ready[-1])
             return self._captured(rows, slot, end)
         dev = self.device
         host, at = self._inputs_host(rows, B, T, slot, end)
@@ -92,6 +106,8 @@ class Prefill(LayerOps):
                                            splits_for(B, T, hq, self.H_kv, d, self.dtype, end, sm_count(dev)))
         else:
             attend = self._gathered_attention(B, T, starts, starts_d, slot, end)
+        if ready:
+            attend = _after(ready, attend)
         return self._prefill_forward(ids_d, pos_d, B, T, last_d, nrows_d, self.table[slot:slot + B], attend)
 
     def _inputs_host(self, rows: list[tuple[list[int], int]], B: int, T: int, slot: int, end: int,
