@@ -406,14 +406,16 @@ class CacheTiers:
 
     # ----- a prefill's loads ----------------------------------------------------------------------------
 
-    def queue_loads(self, jobs: list[tuple["Loads", np.ndarray]]) -> tuple[list[int], list | None]:
+    def queue_loads(self, jobs: list[tuple["Loads", np.ndarray]], before=None) -> tuple[list[int], list | None]:
         """The K/V of a prefill's rows' `Loads` into their own store slots (`jobs`: each row's loads and its slots
         for them), before the prefill reads them. On the CPU, copied now. On a GPU, queued layer by layer on a
         stream of their own: each segment's layer copied up once (rows that share a segment share the copy),
         then one scatter into the store a layer, and an event after each layer: the prefill's layer l waits
         for event l alone, so the later layers' copies run while the first layers compute (as SGLang's
-        hierarchical cache loads, layer by layer). Returns (the jobs whose tier failed: their rows compute
-        those tokens; the layers' events, None where the copies are done)."""
+        hierarchical cache loads, layer by layer), after the event `before` (the work that may have written the
+        slots before they were the rows'; None: all the compute stream's work queued so far). Returns (the jobs
+        whose tier failed: their rows compute those tokens; the layers' events, None where the copies are
+        done)."""
         if not self.cuda:
             return [i for i, (loads, slots) in enumerate(jobs) if not loads.into(slots)], None
         compute = torch.cuda.current_stream(self.store.device)
@@ -423,7 +425,7 @@ class CacheTiers:
             if timed:
                 torch.cuda.synchronize(self.store.device)
                 started = time.perf_counter()
-            events, nbytes = self._queue_layers(jobs, compute, loading)
+            events, nbytes = self._queue_layers(jobs, before, compute, loading)
             if timed:
                 torch.cuda.synchronize(self.store.device)
                 self._measure("host", nbytes, time.perf_counter() - started)
@@ -435,7 +437,7 @@ class CacheTiers:
             loads.count()
         return [], events
 
-    def _queue_layers(self, jobs: list[tuple["Loads", np.ndarray]], compute: torch.cuda.Stream,
+    def _queue_layers(self, jobs: list[tuple["Loads", np.ndarray]], before, compute: torch.cuda.Stream,
                       loading: torch.cuda.Stream) -> tuple[list[torch.cuda.Event], int]:
         """`queue_loads` on a GPU: the layers' events and the bytes copied up."""
         data = self.store.data                                   # [L, 2, slots, H_kv, D]
@@ -456,7 +458,10 @@ class CacheTiers:
                 at += k
         into_rows = np.concatenate(into).astype(np.int64)
         index = np.stack([np.concatenate(k_rows + v_rows), np.concatenate([into_rows, into_rows + capacity])])
-        loading.wait_stream(compute)  # (the slots were handed out after the compute stream's work queued so far)
+        if before is not None:
+            loading.wait_event(before)
+        else:
+            loading.wait_stream(compute)
         for seg, _ in placed.values():
             if seg.ready is not None:  # (a copy down still running)
                 loading.wait_event(seg.ready)

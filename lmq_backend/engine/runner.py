@@ -42,13 +42,13 @@ class PrefillRow:
         self.loads = None
 
 
-def load(jobs: list[tuple[PrefillRow, np.ndarray]]) -> list | None:
+def load(jobs: list[tuple[PrefillRow, np.ndarray]], before=None) -> list | None:
     """The rows' loads into their slots (`jobs`: each row and its own slots for them; again if the prefill is
-    retried), through the tiers (`CacheTiers.queue_loads`); a row whose tier failed computes those tokens.
-    Returns the events the prefill's layers wait for (None: none)."""
+    retried), through the tiers (`CacheTiers.queue_loads`, after the event `before`); a row whose tier failed
+    computes those tokens. Returns the events the prefill's layers wait for (None: none)."""
     if not jobs:
         return None
-    failed, ready = jobs[0][0].loads.tiers.queue_loads([(row.loads, slots) for row, slots in jobs])
+    failed, ready = jobs[0][0].loads.tiers.queue_loads([(row.loads, slots) for row, slots in jobs], before)
     for i in failed:
         jobs[i][0].compute_loads()
     return ready
@@ -193,8 +193,11 @@ class ModelRunner:
         slots: list[int] = [0] * len(rows)
         # room for every group at once: growing the pool group by group would copy it each time
         pool.make_room(pool.rows + len(rows), max(r.cached + len(r.ids) for r in rows), extra=2)
+        # the device's work queued before this step (a step run ahead, discarded, may still write the slots of
+        # rows that left): the groups' loads from the cache tiers go after it, not after the groups before them
+        before = self._event()
         for group in _length_groups([len(r.ids) for r in rows]):
-            group_logits, group_slots = self._prefill([rows[i] for i in group], pool)
+            group_logits, group_slots = self._prefill([rows[i] for i in group], pool, before)
             parts.append(group_logits)
             order += group
             for i, slot in zip(group, group_slots):
@@ -291,14 +294,16 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_event(ready[-1])
 
     @torch.no_grad()
-    def _prefill(self, rows: list[PrefillRow], pool: KVPool) -> tuple[torch.Tensor, list[int]]:
+    def _prefill(self, rows: list[PrefillRow], pool: KVPool, before=None) -> tuple[torch.Tensor, list[int]]:
         """Add `rows` to the pool and run their new tokens as one left-padded forward.
 
         Row i's cached prefix takes columns [end - n_i - m_i, end - m_i) of its page table (the trie's slots)
         and its m_i new tokens [end - m_i, end) (slots of its own): every row ends at the pool's common
         `end`, so the batch is realigned by construction, through the tables, with no K/V copied. Returns
         (last-position logits [B, V] float32, the rows' slots); raises `OutOfSlots` when the store cannot
-        hold their new tokens (the caller removes the rows it added, as after any failed prefill)."""
+        hold their new tokens (the caller removes the rows it added, as after any failed prefill). `before`: an
+        event after the device's work that the rows' slots may have been written by before they were theirs
+        (None: all the work queued so far)."""
         assert all(r.ids for r in rows), "a prefill row needs at least one new token"
         lengths = [r.cached + len(r.ids) for r in rows]
         longest = max(lengths)
@@ -308,7 +313,7 @@ class ModelRunner:
             pool.set_row(slot, row.slots, n - len(row.slots))
         # (a row's own slots for the tokens the tiers hold, then for its new ones)
         ready = load([(row, pool.row_slots(slot)[len(row.slots):row.cached])
-                      for slot, row in zip(slots, rows) if row.loads is not None])
+                      for slot, row in zip(slots, rows) if row.loads is not None], before)
         width = max(len(r.ids) for r in rows)
         if width == 1 and self.fused and slots[0] == 0 and pool.rows == len(rows) <= self.max_batch:
             # One new token a row, and no other rows in the pool: that is a decode step at column end - 1.
