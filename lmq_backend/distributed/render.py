@@ -25,12 +25,27 @@ def prompt_prefix(query, inputs: dict[str, Any]) -> str:
                 parts.append(piece.text)
             elif isinstance(piece, ast.Interp):
                 try:
-                    parts.append(str(eval(piece.expr.code, env)))  # noqa: S307 - the user's own query
+                    parts.append(_interp_text(piece, env))
                 except Exception:  # noqa: BLE001 - routing only: the replica raises the real error
                     return "".join(parts)[:MAX_CHARS]
             else:
                 return "".join(parts)[:MAX_CHARS]
     return "".join(parts)[:MAX_CHARS]
+
+
+_CONVERSIONS = {"r": repr, "s": str, "a": ascii}
+
+
+def _interp_text(piece: ast.Interp, env: dict[str, Any], nested: bool = False) -> str:
+    """What `{expr}` writes: str(value); with a conversion or a format spec (and in a spec, a nested field),
+    what Python's f-string writes."""
+    value = eval(piece.expr.code, env)  # noqa: S307 - the user's own query
+    if not (piece.formatted or nested):
+        return str(value)
+    if piece.conversion is not None:
+        value = _CONVERSIONS[piece.conversion](value)
+    spec = "".join(_interp_text(p, env, True) if isinstance(p, ast.Interp) else p.text for p in piece.spec or ())
+    return format(value, spec)
 
 
 def shippable(query, given: frozenset[str] = frozenset()):

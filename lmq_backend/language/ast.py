@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, Union
+from typing import Any, Iterable, Iterator, Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +63,28 @@ class Hole:
 
 @dataclass(frozen=True, slots=True)
 class Interp:
-    """`{expr}`: a Python expression whose `str()` is inserted as literal text."""
+    """`{expr}`: a Python expression whose `str()` is inserted as literal text. `{expr!conversion:spec}` is
+    formatted as a Python f-string formats it: `conversion` "r", "s" or "a" (repr, str, ascii) or None, `spec`
+    the format spec's pieces (Text, and an Interp for each nested field such as `{width}`) or None without `:`.
+    (A field `{expr=}` is a Text of its source before this Interp.)"""
 
     expr: PyExpr
+    conversion: str | None = None
+    spec: tuple[Text | Interp, ...] | None = None
+
+    @property
+    def formatted(self) -> bool:
+        """Whether the value goes through `format()` (a conversion or a spec) rather than `str()`."""
+        return self.conversion is not None or self.spec is not None
+
+
+def interps(pieces: Iterable[Piece]) -> Iterator[Interp]:
+    """Every Interp among `pieces`, and the nested ones of their format specs, in source order."""
+    for p in pieces:
+        if isinstance(p, Interp):
+            yield p
+            if p.spec:
+                yield from interps(p.spec)
 
 
 @dataclass(frozen=True, slots=True)

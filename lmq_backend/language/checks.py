@@ -21,7 +21,7 @@ from ..errors import (
 )
 from .ast import (
     And, Call, Choice, Constraint, Contains, Exec, For, Hole, If, Interp, LenLimit, Not, Or, Prompt, PyExpr,
-    PyStmt, QueryAST, Return, Stmt, Try, While, With,
+    PyStmt, QueryAST, Return, Stmt, Try, While, With, interps,
 )
 
 __all__ = ["check_query", "holes_of", "free_names", "uses_roles", "BUILTIN_NAMES", "DECODER_ARGS", "KNOBS",
@@ -137,7 +137,7 @@ def iter_code(q: QueryAST) -> Iterator[PyExpr | PyStmt]:
         if isinstance(s, Prompt):
             for p in s.pieces:
                 if isinstance(p, Interp):
-                    yield p.expr
+                    yield from (i.expr for i in interps([p]))
                 elif isinstance(p, Hole) and p.type is not None:
                     yield p.type
             for leaf, _ in iter_constraints(s.where):
@@ -209,8 +209,7 @@ def free_names(q: QueryAST) -> set[str]:
 
 def _interpolated_names(q: QueryAST) -> set[str]:
     """The names written alone in `{...}` of a prompt string."""
-    return {p.expr.source.strip() for s in walk_stmts(q.body) if isinstance(s, Prompt)
-            for p in s.pieces if isinstance(p, Interp)}
+    return {p.expr.source.strip() for s in walk_stmts(q.body) if isinstance(s, Prompt) for p in interps(s.pieces)}
 
 
 # ----- checks ---------------------------------------------------------------------------------------

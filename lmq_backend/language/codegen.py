@@ -12,7 +12,8 @@ query's lines) and a prompt statement becomes calls on `__lmq__`, the runtime's 
 
     "{:user} Q: {q} [A]" where ...     __lmq__.prompt(k)             # statement k of `Program.prompts`: its role
                                        __lmq__.write("Q: ")          # template text
-                                       __lmq__.interp(q)             # an interpolated value (its str())
+                                       __lmq__.interp(q)             # an interpolated value: its str()
+                                                                     # (`{q:>8}`: f"{q:>8}", Python's own)
                                        A = await __lmq__.hole(k, 2)  # piece 2 of statement k: a hole
 
 So `while`, `try`, `with`, `def`, `import`, `await` and the rest are Python's own, with Python's semantics,
@@ -140,7 +141,7 @@ class _Generator:
             if isinstance(piece, Text):
                 out.append(_call_stmt("write", [_const(piece.text)], s.span))
             elif isinstance(piece, Interp):
-                out.append(_call_stmt("interp", [_expression(piece.expr)], piece.expr.span))
+                out.append(_call_stmt("interp", [_interpolation(piece)], piece.expr.span))
             elif isinstance(piece, Hole):
                 value = pyast.Await(_call("hole", [_const(k), _const(i)]))
                 out.append(_at(pyast.Assign([pyast.Name(piece.name, pyast.Store())], value), piece.span))
@@ -168,6 +169,22 @@ def _placed(tree: pyast.AST, span: Span, shift: int) -> pyast.AST:
 def _expression(expr: PyExpr) -> pyast.expr:
     tree, shift = _parse(expr.source, "eval")
     return _placed(tree, expr.span, shift).body
+
+
+def _interpolation(piece: Interp) -> pyast.expr:
+    """The value `{expr}` inserts (its str() is taken at run time); a field with a conversion or a format spec is
+    Python's own f-string of it: `{x!r:>{w}}` -> f"{x!r:>{w}}"."""
+    if not piece.formatted:
+        return _expression(piece.expr)
+    return pyast.JoinedStr([_formatted_value(piece)])
+
+
+def _formatted_value(piece: Interp) -> pyast.FormattedValue:
+    spec = None
+    if piece.spec is not None:
+        spec = pyast.JoinedStr([_formatted_value(p) if isinstance(p, Interp) else _const(p.text) for p in piece.spec])
+    conversion = ord(piece.conversion) if piece.conversion is not None else -1
+    return pyast.FormattedValue(_expression(piece.expr), conversion, spec)
 
 
 def _statements(stmt: PyStmt) -> list[pyast.stmt]:

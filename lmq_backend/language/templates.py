@@ -9,6 +9,7 @@ from typing import Any
 
 from lark import Token
 
+from ..errors import LMQSyntaxError
 from .ast import Hole, Interp, Piece, Role, Span, Text
 from .python_code import make_expr
 from .source import _Source
@@ -17,6 +18,7 @@ from .source import _Source
 _PREFIX = re.compile(r"[A-Za-z]*")
 _ESCAPE = re.compile(r"\\(?:N\{[^}\n]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|\n|[\s\S])")
 _HOLE = re.compile(r"\[([^\W\d]\w*)(\]|[ \t]*:)")
+_HOLE_FORMAT = re.compile(r"\[([^\W\d]\w*)[ \t]*([!=])")  # `[X!r]`, `[X=]`: a replacement field's syntax
 _ROLE = re.compile(r"\{:([^{}]*)\}")
 ROLES = ("system", "user", "assistant")
 
@@ -68,8 +70,9 @@ def decode_string_token(tok: Token, src: _Source, allow_f: bool = True) -> tuple
     return value, offsets
 
 
-def _interp_end(s: str, start: int, close: str = "}") -> int:
-    """Index of the `close` (`}`, or `]` for a hole's type) closing an expression that starts at `start`, or -1."""
+def _expression_end(s: str, start: int, stops: str) -> int:
+    """Index of the first character of `stops` outside brackets and string literals in the expression that starts
+    at `start`, or -1. The `!` of `!=` and the `=` of `==`, `<=`, `>=`, `!=` are operators, never a stop."""
     depth = 0
     i, n = start, len(s)
     while i < n:
@@ -83,14 +86,79 @@ def _interp_end(s: str, start: int, close: str = "}") -> int:
                 return -1
             i += len(quote)
             continue
-        if c == close and depth == 0:
-            return i
+        if depth == 0:
+            if c in "!=<>" and s.startswith("=", i + 1):
+                i += 2
+                continue
+            if c in stops:
+                return i
         if c in "([{":
             depth += 1
         elif c in ")]}":
             depth = max(depth - 1, 0)
         i += 1
     return -1
+
+
+# Python's format spec mini-language: [[fill]align][sign][z][#][0][width][grouping][.precision][type]
+_FORMAT_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?[0-9]*[_,]?(?:\.[0-9]+)?[bcdeEfFgGnosxX%]?", re.S)
+
+
+def _field(value: str, start: int, at, src: _Source) -> tuple[list[Piece], int]:
+    """The replacement field `{expr[=][!conversion][:spec]}` whose `{` is at `start`, as a Python f-string reads
+    it: its pieces (an `expr=` field's source text, then the Interp) and the index after its `}`."""
+    n = len(value)
+    j = _expression_end(value, start + 1, "}!:=")
+    if j < 0:
+        raise src.error("'{' was never closed in prompt string (write '{{' for a literal '{')", *at(start))
+    inner = value[start + 1:j]
+    stripped = inner.strip()
+    if not stripped:
+        where = "in '{}'" if value[j] == "}" else f"before {value[j]!r}"
+        raise src.error(f"empty expression {where} (write '{{{{' for a literal '{{')", *at(start))
+    expr = make_expr(stripped, *at(start + 1 + len(inner) - len(inner.lstrip())), src)
+    pieces: list[Piece] = []
+    k = j
+    if value[k] == "=":  # `{x=}`: the field's source, then its value (repr unless a spec or conversion says)
+        k += 1
+        while k < n and value[k].isspace():
+            k += 1
+        pieces.append(Text(value[start + 1:k]))
+        if k < n and value[k] not in "}!:":
+            raise src.error("expected '}', '!' or ':' after '=' in '{...}'", *at(k))
+    conversion = None
+    if k < n and value[k] == "!":
+        conversion = value[k + 1:k + 2]
+        if conversion not in ("r", "s", "a") or value[k + 2:k + 3] not in (":", "}"):
+            raise src.error("a conversion is '!r', '!s' or '!a', right before ':' or '}'", *at(k))
+        k += 2
+    spec = None
+    if k < n and value[k] == ":":
+        spec, k = _format_spec(value, k + 1, at, src)
+    if k >= n:
+        raise src.error("'{' was never closed in prompt string (write '{{' for a literal '{')", *at(start))
+    if pieces and conversion is None and spec is None:
+        conversion = "r"
+    pieces.append(Interp(expr, conversion, spec))
+    return pieces, k + 1
+
+
+def _format_spec(value: str, start: int, at, src: _Source) -> tuple[tuple[Piece, ...], int]:
+    """The format spec that starts at `start`, up to the `}` closing its field: its text and nested fields
+    (`{x:>{width}}`), and the index of that `}` (len(value) where there is none)."""
+    pieces: list[Piece] = []
+    i, n = start, len(value)
+    while i < n and value[i] != "}":
+        if value[i] == "{":
+            field, i = _field(value, i, at, src)
+            pieces.extend(field)
+        else:
+            j = i
+            while j < n and value[j] not in "{}":
+                j += 1
+            pieces.append(Text(value[i:j]))
+            i = j
+    return tuple(pieces), i
 
 
 def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece | Role]:
@@ -117,20 +185,31 @@ def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece |
                 continue
             m = _HOLE.match(value, i)
             if m is None:
+                if (field := _HOLE_FORMAT.match(value, i)) is not None:
+                    raise src.error(f"a hole [{field.group(1)}] takes no conversion or format spec: the model writes "
+                                    "its text (format a value in '{...}', as '{value!r}')", *at(field.start(2)))
                 raise src.error("'[' must start a hole [NAME] or [NAME: type] (write '[[' for a literal '[')", *at(i))
             flush()
             if m.group(2) == "]":
                 pieces.append(Hole(m.group(1), Span(*at(i))))
                 i = m.end()
                 continue
-            j = _interp_end(value, m.end(), "]")
+            j = _expression_end(value, m.end(), "]")
             if j < 0:
                 raise src.error("'[' was never closed in prompt string (write '[[' for a literal '[')", *at(i))
             inner = value[m.end():j]
             if not inner.strip():
                 raise src.error(f"hole [{m.group(1)}: ...] needs a type after ':'", *at(m.end()))
             k = m.end() + (len(inner) - len(inner.lstrip()))
-            pieces.append(Hole(m.group(1), Span(*at(i)), make_expr(inner.strip(), *at(k), src)))
+            try:
+                type_ = make_expr(inner.strip(), *at(k), src)
+            except LMQSyntaxError:
+                if _FORMAT_SPEC.fullmatch(inner):
+                    raise src.error(f"a hole takes a type after ':', not a format spec: the model writes the text of "
+                                    f"[{m.group(1)}] (format a value in '{{...}}', as '{{value:{inner}}}')",
+                                    *at(m.end())) from None
+                raise
+            pieces.append(Hole(m.group(1), Span(*at(i)), type_))
             i = j + 1
         elif c == "]":
             buf.append("]")
@@ -151,17 +230,10 @@ def parse_template(value: str, offsets: list[int], src: _Source) -> list[Piece |
                 pieces.append(Role(name, Span(*at(i))))
                 i = m.end()
                 continue
-            j = _interp_end(value, i + 1)
-            if j < 0:
-                raise src.error("'{' was never closed in prompt string (write '{{' for a literal '{')", *at(i))
-            inner = value[i + 1:j]
-            stripped = inner.strip()
-            if not stripped:
-                raise src.error("empty expression in '{}' (write '{{' for a literal '{')", *at(i))
-            k = i + 1 + (len(inner) - len(inner.lstrip()))
+            field, end = _field(value, i, at, src)
             flush()
-            pieces.append(Interp(make_expr(stripped, *at(k), src)))
-            i = j + 1
+            pieces.extend(field)
+            i = end
         elif c == "}":
             if value.startswith("}}", i):
                 buf.append("}")

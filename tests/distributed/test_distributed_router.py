@@ -106,6 +106,12 @@ def test_prompt_prefix_is_the_text_up_to_the_first_hole():
     assert prompt_prefix(CLASSIFY, {"shots": "S1\n"}) == "S1\nReview: "  # a failing expression ends the text
 
 
+def test_prompt_prefix_formats_fields_as_python_does():
+    q = lmq.compile('"{x:>{w}.2f}|{s!r}|{n:,}|{x=}|{s}[Y]"')
+    inputs = {"x": 3.14159, "w": 8, "s": "a [X]", "n": 12345}
+    assert prompt_prefix(q, inputs) == f"{3.14159:>8.2f}|{'a [X]'!r}|{12345:,}|x={3.14159!r}|a [X]"
+
+
 def test_a_shipped_query_keeps_only_what_it_reads():
     q = shippable(CLASSIFY)
     assert q.source == CLASSIFY.source and q.name == "classify"

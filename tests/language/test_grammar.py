@@ -290,6 +290,50 @@ def test_interpolation_names_exclude_comprehension_and_lambda_bound():
     assert names == [{"k", "ys"}, {"w"}, {"d"}]
 
 
+def fields(prompt):
+    """Each Interp of a prompt as (source, conversion, spec texts: nested fields by their source)."""
+    def spec(i):
+        if i.spec is None:
+            return None
+        return [p.text if isinstance(p, Text) else "{" + p.expr.source + "}" for p in i.spec]
+    return [(p.expr.source, p.conversion, spec(p)) for p in prompt.pieces if isinstance(p, Interp)]
+
+
+def test_conversions_and_format_specs_as_in_f_strings():
+    q = parse_query('"Price: {x:.2f} {name!r} {x:>8} {n:,} {s!a:^{w}.{p}} {d:%H:%M} {v!s}"')
+    (p,) = q.body
+    assert fields(p) == [("x", None, [".2f"]), ("name", "r", None), ("x", None, [">8"]), ("n", None, [","]),
+                         ("s", "a", ["^", "{w}", ".", "{p}"]), ("d", None, ["%H:%M"]), ("v", "s", None)]
+    assert texts(p)[0] == "Price: " and all(i.formatted for i in p.pieces if isinstance(i, Interp))
+    assert [i.expr.span for i in p.pieces[9].spec if isinstance(i, Interp)] == [Span(1, 46), Span(1, 50)]
+    assert free_names(q) == {"x", "name", "n", "s", "w", "p", "d", "v"}  # a nested field's names too
+
+
+def test_self_documenting_fields():
+    """`{x=}` writes its source, then repr(x) (a spec: format(x, spec); a conversion: that one), as Python does."""
+    (p,) = parse_query('"{x=} { y = :>4}{z=!s}"').body
+    assert texts(p)[0] == "x=" and texts(p)[2] == "  y = " and texts(p)[4] == "z="
+    assert fields(p) == [("x", "r", None), ("y", None, [">4"]), ("z", "s", None)]
+
+
+@pytest.mark.parametrize("text, source", [
+    ('"{a != b}"', "a != b"), ('"{a == b}"', "a == b"), ('"{a <= b >= c}"', "a <= b >= c"),
+    ('"{d[1:2]}"', "d[1:2]"), ('"{f(k=1)}"', "f(k=1)"), ('"{(y := 3)}"', "(y := 3)"),
+    ('"{\'!:}\' + s}"', "'!:}' + s"), ('"{ {1: 2}[1] }"', "{1: 2}[1]"), ('"{(lambda v: v)(1)}"', "(lambda v: v)(1)"),
+])
+def test_operators_and_brackets_are_not_a_conversion_or_a_spec(text, source):
+    (p,) = parse_query(text).body
+    assert fields(p) == [(source, None, None)] and not p.pieces[0].formatted
+
+
+def test_role_tags_and_escapes_next_to_format_specs():
+    (p,) = parse_query('"{:user} {x:>3} {{y:z}} {{:user}}"').body
+    assert p.role == "user"
+    assert fields(p) == [("x", None, [">3"])] and texts(p)[1:] == [" {y:z} {:user}"]
+    (p,) = parse_query('"{x:=^5}"').body  # as in Python: `:` starts the spec, `=^5` (parenthesize a `:=`)
+    assert fields(p) == [("x", None, ["=^5"])]
+
+
 # ----- expressions ----------------------------------------------------------------------------------
 
 EXPRESSIONS = [

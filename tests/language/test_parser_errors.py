@@ -46,6 +46,19 @@ SYNTAX_ERRORS = [
     ('"[X]"\nwhere\n    INT(X) and', 3, 15, "unexpected end of input"),
     ('from "m"\n"a"', 2, 1, "unexpected"),
     ('x = (1,\n     2]\n', 2, 7, "unexpected ']'"),
+    ('"a {x!z}"', 1, 6, "a conversion is '!r', '!s' or '!a'"),
+    ('"a {x!r }"', 1, 6, "a conversion is '!r', '!s' or '!a'"),
+    ('"a {x:>8"', 1, 4, "'{' was never closed"),
+    ('"a {x:>{w}"', 1, 4, "'{' was never closed"),
+    ('"a {!r}"', 1, 4, "empty expression before '!'"),
+    ('"a {x:{}}"', 1, 7, "empty expression"),
+    ('"a {x = 1}"', 1, 9, "expected '}', '!' or ':' after '='"),
+    ('"a {x:{1 +}}"', 1, 8, "invalid Python expression"),
+    ('"a [X:.2f]"', 1, 7, "a hole takes a type after ':', not a format spec"),
+    ('"a [X: >8]"', 1, 7, "a hole takes a type after ':', not a format spec"),
+    ('"a [X!r]"', 1, 6, "a hole [X] takes no conversion or format spec"),
+    ('"a [X=]"', 1, 6, "a hole [X] takes no conversion or format spec"),
+    ('"a [X: 1 +]"', 1, 8, "invalid Python expression"),
 ]
 
 

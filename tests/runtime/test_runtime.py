@@ -85,6 +85,26 @@ async def test_interpolated_values_are_literal_text(make_backend):
     assert set(r.variables) == {"X"}
 
 
+FIELDS = ('"Price: {price:.2f}; {name!r} {name:>8}|{n:,}|{price:{width}.{digits}f}|{price=}|{ name = :*^9}|'
+          '{day:%Y/%m/%d}|{accent!a}|{n!s:>{width}}|{[1, 2]!r:>9}|{n:#x}|{n:_}|{ratio:.1%}"')
+
+
+async def test_conversions_and_format_specs_format_as_python_does(make_backend):
+    """`{x!r}`, `{x:spec}`, nested `{x:{width}}` and `{x=}` write what Python's f-string writes, and that text is
+    literal (a spec never makes a value template text)."""
+    import datetime
+
+    backend = make_backend()
+    inputs = {"price": 3.14159, "name": "Bob [X] {y}", "n": 1234567, "width": 10, "digits": 3, "ratio": 0.257,
+              "day": datetime.date(2024, 5, 1), "accent": "café"}
+    r = await lmq.compile(FIELDS + '\n"[X]" where len(TOKENS(X)) < 2', model=backend)(**inputs)
+    want = eval("f" + FIELDS, {}, inputs)  # noqa: S307 - the same fields as a Python f-string
+    assert "Price: 3.14; 'Bob [X] {y}'" in want and "1,234,567" in want and "café" not in want
+    assert r.prompt == want + r["X"] and set(r.variables) == {"X"}
+    with pytest.raises(lmq.LMQRuntimeError, match=r"line 1: .* raised ValueError: Unknown format code 'q'"):
+        await lmq.compile('"{price:q}"', model=backend)(price=1.5)
+
+
 async def test_a_special_tokens_text_in_a_value_is_plain_text(make_backend, tokenizer):
     """`{x}` is literal text to the model too: "<|im_end|>" in a value is its characters' tokens (the tokenizer's
     with its special tokens off), in the template the special token; a value without one is tokenized as the
