@@ -88,6 +88,27 @@ def test_the_generated_function_declares_every_bound_name_global():
     assert [p.span.line for p in program.prompts] == [14, 21, 25, 37, 38]
 
 
+def test_async_comprehensions_parse_where_python_takes_them():
+    q = parse_query('''
+xs = [t async for t in ticks() if t]
+pairs = {k: await f(v) async for k, v in items() for w in v}
+"{[await f(t) async for t in ticks()]}"
+async def tail():
+    return (t async for t in g() async for u in h(t))
+for y in {t async for t in ticks()}:
+    "{y}"
+''')
+    xs, pairs, shown, tail, loop = q.body
+    assert xs.stmt.source == "xs = [t async for t in ticks() if t]" and xs.stmt.names == {"ticks"}
+    assert pairs.stmt.names == {"f", "items"} and shown.pieces[0].expr.names == {"f", "ticks"}
+    assert tail.stmt.assigned == {"tail"} and loop.iter.source == "{t async for t in ticks()}"
+    assert free_names(q) == {"ticks", "f", "items", "g", "h"}
+    compile_program(q, "q")  # the query body is a coroutine function: Python takes them there
+    with pytest.raises(LMQSyntaxError, match="asynchronous comprehension outside of an asynchronous function") as e:
+        compile_program(parse_query('"a"\ndef tail():\n    return [t async for t in g()]'), "q")
+    assert (e.value.line, e.value.column) == (3, 12)
+
+
 def test_walk_visits_every_block():
     q = parse_query(QUERY)
     prompts = [s for s in walk_stmts(q.body) if isinstance(s, Prompt)]

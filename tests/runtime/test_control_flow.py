@@ -189,6 +189,25 @@ return list(evens(3)), await collect()
         lmq.compile('"A"\nyield 1')
 
 
+async def test_async_comprehensions_and_await_in_comprehensions(make_backend):
+    """`[x async for x in agen]` and `await` in a comprehension, as in Python's coroutine functions: in an
+    assignment, a prompt's `{...}`, a loop's iterable, a return and an async def of the query."""
+    q = lmq.compile('''
+seen = [i async for i in countdown(3) if i != 2]
+"Ticks: {[await lookup(str(i)) async for i in countdown(2)]}\\n"
+for t in [await lookup(w) for w in words]:
+    "{t}:[X]" where len(TOKENS(X)) < 2
+async def pairs():
+    return {i: [j async for j in countdown(i)] async for i in countdown(2)}
+doubled = (i * 2 async for i in countdown(2))
+return seen, await pairs(), sorted({await lookup(w) for w in words}), [v async for v in doubled]
+''')
+    backend = make_backend("llama")
+    assert await q.run({"words": ["b", "a"]}, backend) == ([3, 1], {2: [2, 1], 1: [1]}, ["<a>", "<b>"], [4, 2])
+    r = await lmq.compile('"Ticks: {[await lookup(str(i)) async for i in countdown(2)]}"').run({}, backend)
+    assert r.prompt == "Ticks: ['<2>', '<1>']"
+
+
 async def test_beam_decoders_replay_loops_and_try(make_backend):
     backend = make_backend("llama")
     q = lmq.compile('''
