@@ -8,17 +8,23 @@ import ast as pyast
 import json
 import sys
 
-from .errors import LMQError
+from .errors import LMQError, LMQInputError
 
 
 def _read_source(path: str) -> str:
+    """The query text of FILE (`-`: standard input). A text with no statement (empty, blank or comments only) is
+    refused: it would run an empty query."""
     if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise SystemExit(f"lmq: cannot read {path}: {e.strerror}") from None
+        text, name = sys.stdin.read(), "standard input"
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text, name = f.read(), path
+        except OSError as e:
+            raise SystemExit(f"lmq: cannot read {path}: {e.strerror}") from None
+    if all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines()):
+        raise SystemExit(f"lmq: no query in {name}: it is {'empty' if not text.strip() else 'comments only'}")
+    return text
 
 
 def _parse_vars(items: list[str]) -> dict:
@@ -67,9 +73,13 @@ def _run_streaming(query, inputs: dict):
 def cmd_run(args) -> int:
     import lmq_backend as lmq
 
+    from .profile import query_inputs, unknown_inputs
+
     query = lmq.Query(_read_source(args.file), name=args.file if args.file != "-" else "stdin",
                       model=args.model)
     inputs = _parse_vars(args.var)
+    if (unknown := unknown_inputs(inputs, query_inputs(query)[1])) is not None:  # as `lmq profile` refuses them
+        raise LMQInputError(f"--var: {unknown}")
     if args.stream and query.decoder.n == 1 and not query.decoder.beam and not args.json:
         result = _run_streaming(query, inputs)
         if isinstance(result, lmq.Result):

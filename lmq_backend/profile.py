@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterable
 
 from .backend.protocol import Backend
 from .cache.stats import CacheStats, StepInfo, format_table
@@ -89,16 +89,23 @@ def read_inputs(path: str | Path, required: set[str], accepted: set[str]) -> lis
             out.append((number, LMQInputLineError(
                 path, number, f"expected a JSON object of inputs, got {type(item).__name__}")))
             continue
-        unknown = sorted(item.keys() - accepted)
         missing = sorted(required - item.keys())
         problems = []
-        if unknown:
-            takes = ", ".join(sorted(accepted)) or "no inputs"
-            problems.append(f"the query does not take {_names(unknown)} (it takes: {takes})")
+        if (unknown := unknown_inputs(item, accepted)) is not None:
+            problems.append(unknown)
         if missing:
             problems.append(f"missing input {_names(missing)}")
         out.append((number, LMQInputLineError(path, number, "; ".join(problems)) if problems else item))
     return out
+
+
+def unknown_inputs(names: Iterable[str], accepted: set[str]) -> str | None:
+    """What is wrong with inputs named `names` for a query that takes `accepted` (`query_inputs`): the names it
+    does not take; None where it takes them all."""
+    unknown = sorted(set(names) - accepted)
+    if not unknown:
+        return None
+    return f"the query does not take {_names(unknown)} (it takes: {', '.join(sorted(accepted)) or 'no inputs'})"
 
 
 def _names(names: list[str]) -> str:
