@@ -76,22 +76,33 @@ def _token(vocab, text: str) -> int:
     return int(vocab.bytes_to_ids[text.encode()][0])
 
 
-def test_the_last_token_a_limit_allows_is_one_the_value_may_end_after(vocab):
-    """Under a constraint on the text, the token a limit lets the value take last is one after which it may end:
-    `X in [...] and len(TOKENS(X)) < 2` takes the one-token option (none: the mask is empty, the hole cannot be
-    satisfied, not cut short); before that token, the mask is the constraint's own."""
+def test_a_token_under_a_limit_is_one_the_value_can_end_within_the_limit_after(vocab):
+    """Under a constraint on the text and a token limit, each token the mask holds leaves a value that can still
+    end within the tokens the limit leaves: `X in [...] and len(TOKENS(X)) < 2` takes the one-token option (none:
+    the mask is empty, the hole cannot be satisfied, not cut short); a three-token option needs a limit that
+    leaves it enough tokens, from its first; a token that leaves a rest no token spells is never taken."""
     options = [" strawberry milkshake deluxe", " fig"]
+    strawberry = _token(vocab, " strawberry")
     state = compiled(AND(choice(options), length("<", 2, unit="tokens")), vocab).start()
     assert np.flatnonzero(state.allowed()).tolist() == [_token(vocab, " fig")]
-    assert state.allows(_token(vocab, " fig")) and not state.allows(_token(vocab, " strawberry"))
+    assert state.allows(_token(vocab, " fig")) and not state.allows(strawberry)
     assert not compiled(AND(choice(options[:1]), length("<", 2, unit="tokens")), vocab).start().allowed().any()
     state = compiled(AND(choice(options), length("<", 3, unit="tokens")), vocab).start()
-    assert state.allows(_token(vocab, " strawberry"))
-    state.advance(_token(vocab, " strawberry"))
-    assert not state.allowed().any()  # " milkshake deluxe" takes more than one token
+    assert not state.allows(strawberry)  # " milkshake deluxe" takes more tokens than one
+    state = compiled(AND(choice(options), length("<", 8, unit="tokens")), vocab).start()  # (as encoded: 7)
+    assert state.allows(strawberry)
+    state.advance(strawberry)
+    rest = [vocab.token_bytes[t] for t in np.flatnonzero(state.allowed())]
+    assert rest and all(b" milkshake deluxe".startswith(b) for b in rest)
+    # " apple pie" under a limit of 3: after " a", no two tokens spell "pple pie"; " apple" leaves " pie"
+    state = compiled(AND(choice([" apple pie", " pear"]), length("<", 4, unit="tokens")), vocab).start()
+    a, apple = _token(vocab, " a"), _token(vocab, " apple")
+    assert not state.allows(a) and state.allows(apple)
     state = compiled(AND(call("INT", "X"), length("<", 2, unit="tokens")), vocab).start()
     ending = [vocab.token_bytes[t] for t in np.flatnonzero(state.allowed())]
     assert ending and all(re.fullmatch(rb" ?[0-9]+", b) for b in ending)
+    state = compiled(AND(call("INT", "X"), length("<", 3, unit="tokens")), vocab).start()
+    assert state.allows(_token(vocab, "-"))  # a digit may follow
 
 
 def test_a_stop_where_the_constraint_may_not_end_says_so(vocab):

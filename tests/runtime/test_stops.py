@@ -135,6 +135,20 @@ async def test_a_value_its_constraint_refuses_is_never_returned(make_backend):
     assert backend.trie.pinned_nodes() == 0
 
 
+async def test_a_limit_that_leaves_room_for_an_option_gives_one_on_the_default_model(default_backend):
+    """The default model spells `" apple pie"` a token a few bytes (`" "`, `"a"`, `"p"`, ...) under the options'
+    mask: a token limit that leaves room for an option never leads it where no option fits in the rest (`" a"`
+    with two tokens left, where `"pple pie"` takes three); the value is an option, never an error."""
+    for limit in (4, 5, 8):
+        q = lmq.compile(f'"Another:[Y]" where Y in [" apple pie", " pear"] and len(TOKENS(Y)) < {limit}',
+                        model=default_backend)
+        r = await q()
+        assert r["Y"] in (" apple pie", " pear")
+        assert len(default_backend.tokenizer.encode(r["Y"], add_special_tokens=False)) < limit
+    r = await lmq.compile('"Another:[Y]" where Y in [" apple", " pear"] and len(TOKENS(Y)) < 4', model=default_backend)()
+    assert r["Y"] == " apple"  # (the option it takes without a limit)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rule,value", [("STOPS_AT", " 6, 7, 8"), ("STOPS_BEFORE", " 6, 7, ")])
 async def test_stop_fires_on_the_default_model(default_backend, rule, value):

@@ -21,9 +21,11 @@ What the backend calls, per token of the value (`HFBackend.generate`):
 - allowed() returns an array the caller may modify, or a read-only one that states share (a constraint's
   memoized mask: copy it to modify); after a stop, or once the token limit is reached, it is all False. It is
   computed once per token (advance() invalidates it). Under a constraint on the text of lmq's own masks
-  (options, INT, STARTS_WITH, ...; not llguidance's), before the last token the limit lets the value take, it
-  holds only the tokens after which the value may end (each tried, where at most LOOKAHEAD_MAX are allowed):
-  `X in [...] and len(TOKENS(X)) < 2` takes a one-token option.
+  (options, INT, STARTS_WITH, ...; not llguidance's) and a token limit, it holds only the tokens after which the
+  value can still end within the tokens the limit leaves (each tried, where at most LOOKAHEAD_MAX are allowed; a
+  search of the masks after it, longest tokens first, of at most LOOKAHEAD_STATES states a mask):
+  `X in [" apple pie", " pear"] and len(TOKENS(X)) < 4` never takes `" a"` where no two tokens spell
+  `"pple pie"`, and `len(TOKENS(X)) < 2` takes a one-token option.
 - A stop rule that ends the value where the rest of the constraint does not let it end (a token limit in the
   middle of an option, `STOPS_AT` before a REGEX is matched) gives a `Stop` that says so (`broken`): the
   backend refuses that value with an error, a beam drops it; never a value that breaks its constraint.
@@ -47,7 +49,8 @@ from ...text.vocab import VocabIndex
 from .nodes import _Ctx, _FreeNode, _Node
 from .stops import Stop, _StopString
 
-LOOKAHEAD_MAX = 256  # the most tokens the last one before a token limit is chosen among by trying each
+LOOKAHEAD_MAX = 256  # the most tokens a mask under a token limit is narrowed among by trying each
+LOOKAHEAD_STATES = 4096  # the most states that search tries a mask (beyond: a token is kept, as untried)
 
 
 class HoleConstraint:
@@ -102,48 +105,18 @@ class HoleState:
                 mask = np.zeros(self.hc.vocab.size, dtype=bool)
             else:
                 mask = self.root.allowed()
-                if self._last_before_limit():
-                    mask = self._ending(mask)
+                if self._looks_ahead():
+                    mask = _EndingSearch(self.hc).narrow(mask, self.ctx.tokens, limit - len(self.ctx.tokens) - 1)
             self._allowed = mask
         mask = self._allowed
         return mask if mask is None or not mask.flags.writeable else mask.copy()
 
-    def _last_before_limit(self) -> bool:
-        """Is the next token the last the token limit lets the value take (so the value must be able to end
-        after it), under a constraint on the text that is lmq's own mask? (Not llguidance's REGEX / JSON /
-        GRAMMAR: their picks check one token against the constraint, `allows`, where the look-ahead would need
-        the whole mask; a value the limit cuts there is refused.)"""
-        limit = self.hc.max_tokens
-        return (limit is not None and len(self.ctx.tokens) == limit - 1 and not self.hc.free
-                and self.hc.node.looks_ahead)
-
-    def _ending(self, mask: np.ndarray | None) -> np.ndarray | None:
-        """Of the tokens in `mask`, those after which the value may end (the token limit ends it there): each
-        tried on a fresh state, where they are few (LOOKAHEAD_MAX); else `mask` as it is (a value the limit
-        then ends where the constraint does not allow is refused: `Stop.broken`)."""
-        if mask is None:
-            return mask
-        candidates = np.flatnonzero(mask)
-        if len(candidates) > LOOKAHEAD_MAX:
-            return mask
-        out = np.zeros(self.hc.vocab.size, dtype=bool)
-        for token in candidates.tolist():
-            out[token] = self._ends_after([*self.ctx.tokens, token])
-        return out
-
-    def _ends_after(self, tokens: list[int]) -> bool:
-        """Does the constraint allow the value of these tokens to end (a fresh state, advanced by each)?"""
-        ctx = _Ctx()
-        state = self.hc.node.state(ctx)
-        token_bytes = self.hc.vocab.token_bytes
-        for token in tokens:
-            old_len = len(ctx.value)
-            ctx.value += token_bytes[token]
-            ctx.ends.append(len(ctx.value))
-            ctx.tokens.append(token)
-            if not state.advance(token, old_len):
-                return False
-        return state.can_end()
+    def _looks_ahead(self) -> bool:
+        """Must the next token leave a value that can end within the token limit, under a constraint on the text
+        that is lmq's own mask? (Not llguidance's REGEX / JSON / GRAMMAR: their picks check one token against
+        the constraint, `allows`, where the look-ahead would need the whole mask; a value the limit cuts there
+        is refused.)"""
+        return self.hc.max_tokens is not None and not self.hc.free and self.hc.node.looks_ahead
 
     @property
     def checks_tokens(self) -> bool:
@@ -158,7 +131,7 @@ class HoleState:
             if self._stopped is None and (limit is None or len(self.ctx.tokens) < limit):
                 if not self.root.allows(token_id):
                     return False
-                if not self._last_before_limit():
+                if not self._looks_ahead():
                     return True
             self.allowed()
         mask = self._allowed
@@ -252,13 +225,72 @@ class HoleState:
         start = self.ctx.ends[keep - 1] if keep else 0
         tail = bytes(value[start:end]).decode("utf-8", errors="replace")
         # the value's own ids (as the backend takes them: the kept tokens, the tail tokenized) on a fresh state
-        ok = self.hc.free or self._ends_after([*self.ctx.tokens[:keep], *self.hc.vocab.encode_continuation(tail)])
+        ok = self.hc.free or _EndingSearch(self.hc).ends_within([*self.ctx.tokens[:keep],
+                                                                 *self.hc.vocab.encode_continuation(tail)], 0)
         return Stop(text=bytes(value[:end]).decode("utf-8", errors="replace"), keep=keep, tail=tail,
                     broken="" if ok else self._rule(fired))
 
     def _rule(self, fired) -> str:
         """The stop rule that fired, as `Stop.broken` names it (`fired` None: the token limit)."""
         return str(fired) if fired is not None else f"the token limit ({self.hc.max_tokens} tokens)"
+
+
+class _EndingSearch:
+    """Which tokens of a mask leave a value that can end within the tokens a limit leaves: for each, a depth-first
+    search of the masks after it (a fresh state replayed by the tokens, longest tokens first, values seen
+    remembered), of at most LOOKAHEAD_STATES states; a token whose search runs out of states is kept."""
+
+    def __init__(self, hc: HoleConstraint):
+        self.hc, self.states = hc, 0
+        self.known: dict[tuple[bytes, int], bool] = {}
+        self.token_bytes = hc.vocab.token_bytes
+
+    def narrow(self, mask: np.ndarray | None, tokens: list[int], more: int) -> np.ndarray | None:
+        """The tokens of `mask` after which (appended to `tokens`) the value can end within `more` more tokens;
+        `mask` itself where it has more than LOOKAHEAD_MAX tokens (or is None)."""
+        if mask is None:
+            return mask
+        candidates = np.flatnonzero(mask)
+        if len(candidates) > LOOKAHEAD_MAX:
+            return mask
+        out = np.zeros(self.hc.vocab.size, dtype=bool)
+        for token in candidates.tolist():
+            out[token] = self.ends_within([*tokens, token], more)
+        return out
+
+    def ends_within(self, tokens: list[int], more: int) -> bool:
+        """Can the value of `tokens` end within `more` more tokens (0: as it is)?"""
+        self.states += 1
+        if self.states > LOOKAHEAD_STATES:
+            return True
+        state, value = self._replayed(tokens)
+        if state is None:
+            return False
+        if state.can_end():
+            return True
+        if more <= 0:
+            return False
+        key = (value, more)
+        if key not in self.known:
+            mask = state.allowed()
+            if mask is None:
+                return True
+            candidates = sorted(np.flatnonzero(mask).tolist(), key=lambda t: -len(self.token_bytes[t]))
+            self.known[key] = any(self.ends_within([*tokens, t], more - 1) for t in candidates[:LOOKAHEAD_MAX])
+        return self.known[key]
+
+    def _replayed(self, tokens: list[int]) -> tuple[Any, bytes]:
+        """A fresh state advanced by `tokens`, and the value's bytes (None for the state where one breaks it)."""
+        ctx = _Ctx()
+        state = self.hc.node.state(ctx)
+        for token in tokens:
+            old_len = len(ctx.value)
+            ctx.value += self.token_bytes[token]
+            ctx.ends.append(len(ctx.value))
+            ctx.tokens.append(token)
+            if not state.advance(token, old_len):
+                return None, b""
+        return state, bytes(ctx.value)
 
 
 def _not_a_value(token: int) -> NoReturn:

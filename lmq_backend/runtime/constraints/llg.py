@@ -36,7 +36,7 @@ def _llg_validate(kind: str, arg: str, c: ast.Call) -> None:
 
 class _LLGNode(_Node):
     checks_tokens = True  # a mask: 0.01-0.44 ms of the host's time; a token: ~0.6 us (`allows`)
-    looks_ahead = False   # (its picks check a token at a time: no mask to look ahead in, `HoleState._ending`)
+    looks_ahead = False   # (its picks check a token at a time: no mask to look ahead in, `HoleState._looks_ahead`)
 
     def __init__(self, kind: str, arg: Any, vocab: VocabIndex, where: ast.Call):
         self.vocab = vocab
