@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ast as pyast
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
+import re
 import textwrap
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -68,8 +70,7 @@ class Query:
         self.decoder = (DecoderSpec.parse(decoder) if decoder is not None
                         else DecoderSpec.from_clause(self.ast.decoder.name, self.ast.decoder.args))
         self.model = model if model is not None else (self.ast.model or "default")
-        first = next((line.strip() for line in source.strip().splitlines() if line.strip()), "query")
-        self.name = name or first[:60]
+        self.name = name or _default_name(source, self.ast.decoder.name)
         self._needs = free_names(self.ast)
         self._returns = _has_return(self.ast.body)
         self.program = compile_program(self.ast, self.name)
@@ -178,7 +179,9 @@ class Query:
         return dict(bound.arguments)
 
     def run_sync(self, *args, **kwargs):
-        """Blocking call, for scripts and notebooks."""
+        """Blocking call, for scripts and notebooks (where an event loop runs already: `await` the query there
+        to run it alongside others; `run_sync` runs it in a thread of its own, with a loop of its own, and
+        blocks the notebook's loop until it ends)."""
         return _run_sync(self(*args, **kwargs))
 
     async def map(self, inputs: Iterable[dict[str, Any]], concurrency: int = 32, progress: bool = False,
@@ -226,8 +229,10 @@ def _run_sync(coro):
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    coro.close()
-    raise RuntimeError("run_sync cannot be called from a running event loop; use `await` instead")
+    # a loop runs in this thread (a notebook's): the call runs to its end in a thread with its own loop (a backend
+    # serves one loop at a time: one busy in this loop says so)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmq-run-sync") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def compile(source: str, *, name: str | None = None, model: str | Backend | None = None,
@@ -250,3 +255,12 @@ def query(fn: Callable | None = None, *, model: str | Backend | None = None, dec
         return q
 
     return wrap if fn is None else wrap(fn)
+
+
+def _default_name(source: str, decoder: str) -> str:
+    """A query's name where none is given: its first line (60 characters) that is not the decoder clause alone
+    (`argmax`, `sample(n=4)`: many queries share it, and their statistics would merge)."""
+    lines = [line.strip() for line in source.strip().splitlines() if line.strip() and not line.strip().startswith("#")]
+    if len(lines) > 1 and re.fullmatch(rf"{re.escape(decoder)}\s*(\(.*\))?\s*:?", lines[0]):
+        lines = lines[1:]
+    return lines[0][:60] if lines else "query"

@@ -150,6 +150,24 @@ def test_run_sync_outside_a_loop(make_backend):
     assert isinstance(q.run_sync(), lmq.Result)
 
 
+async def test_run_sync_where_a_loop_runs_as_in_a_notebook(make_backend):
+    """A notebook's cell runs inside an event loop: `run_sync` there gives the call's result (run in a thread with
+    a loop of its own), the same as `await`, and the backend serves this loop after it."""
+    q = lmq.compile('"Hello[X]" where len(TOKENS(X)) < 3', model=make_backend())
+    r = q.run_sync()
+    assert isinstance(r, lmq.Result) and r.prompt == (await q()).prompt
+
+
+def test_a_queries_default_name_is_its_first_line_after_the_decoder():
+    """Queries that share a decoder line are told apart in the statistics (`per_template`): a query's default
+    name is its first line that is not the decoder clause alone."""
+    a = lmq.compile('argmax\n    "Review: {r}[X]"')
+    b = lmq.compile('# a comment\nsample(n=2, temperature=0.5)\n    "Question: {r}[X]"')
+    c = lmq.compile('"Just a prompt {r}[X]"')
+    assert (a.name, b.name, c.name) == ('"Review: {r}[X]"', '"Question: {r}[X]"', '"Just a prompt {r}[X]"')
+    assert lmq.compile('argmax\n    "x[X]"', name="mine").name == "mine"
+
+
 async def test_missing_input_is_an_error_before_any_model_call(make_backend):
     backend = make_backend()
     q = lmq.compile('"Review: {review}[X]"', model=backend)
