@@ -18,7 +18,7 @@ from types import FunctionType
 from typing import Any
 
 from ..backend.protocol import Backend, Sequence
-from ..errors import LMQCompileError, LMQError, LMQRuntimeError, LMQUnsatisfiedError
+from ..errors import LMQBackendError, LMQCompileError, LMQError, LMQRuntimeError, LMQUnsatisfiedError
 from ..language import ast
 from ..language.codegen import FUNCTION, Program
 from .constraints import HoleConstraint, compile_hole_constraint, constraint_for_hole
@@ -236,7 +236,10 @@ class Run:
         if self.depth >= MAX_NESTING:
             raise LMQRuntimeError(f"line {hole.span.line}: hole [{hole.name}: {hole.type.source}]: nested queries "
                                   f"go deeper than {MAX_NESTING} levels (a query that nests itself without end?)")
-        child = query.nested(self, args, kwargs)
+        try:
+            child = query.nested(self, args, kwargs)
+        except LMQError as e:
+            raise _inside(e, hole)
         child.depth, child.root, child.written = self.depth + 1, self.root or self, []
         child.stream, child.index, child.role = self.stream, self.index, self.role
         child.transcript = self.transcript.copy()
@@ -245,8 +248,10 @@ class Run:
             value = await child._body()
             if not query.returns:
                 await child._flush()
-        except BaseException:
+        except BaseException as e:
             self.backend.release(child.seq)
+            if isinstance(e, LMQError) and not isinstance(e, LMQBackendError):
+                raise _inside(e, hole)
             raise
         if query.returns:
             self.backend.release(child.seq)
@@ -304,6 +309,15 @@ def _from_lmq(e: Exception, program: Program) -> bool:
             after = tb.tb_next
         tb = tb.tb_next
     return after is not None and os.path.abspath(after.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+
+
+def _inside(e: LMQError, hole: ast.Hole) -> LMQError:
+    """An error of a nested query's call (its arguments, its lines: theirs are the nested query's own), naming
+    the outer hole that called it first (once: a query that nests itself fails at the same hole at every level)."""
+    where = f"line {hole.span.line}: hole [{hole.name}: {hole.type.source}]: "
+    if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(where):
+        e.args = (where + e.args[0], *e.args[1:])
+    return e
 
 
 def _located(e: Exception, program: Program) -> LMQRuntimeError:

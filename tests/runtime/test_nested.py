@@ -117,9 +117,28 @@ async def test_endless_recursion_is_a_clear_error_and_fails_only_its_call(make_b
     assert backend.stats().pinned_nodes == 0
 
 
+@lmq.query
+def failing(key):
+    '''lmq
+    "X:[V]" where len(TOKENS(V)) < 2
+    y = {}[key]
+    return V
+    '''
+
+
 async def test_bad_arguments_of_a_nested_query(make_backend):
-    with pytest.raises(lmq.LMQInputError, match="one_of"):
+    with pytest.raises(lmq.LMQInputError, match=r"^line 1: hole \[C: one_of\(\)\]: .*one_of"):
         await lmq.compile('"x[C: one_of()]"').run({}, make_backend("llama"))
+
+
+async def test_an_error_inside_a_nested_query_names_the_hole_that_called_it(make_backend):
+    """A nested query's own lines are numbered in its own source: its error says which outer hole ran it, then
+    the line of its own that failed."""
+    backend = make_backend("llama")
+    with pytest.raises(lmq.LMQRuntimeError, match=r"^line 2: hole \[C: failing\('k'\)\]: line 3: `y = \{\}\[key\]` "
+                                                   r"raised KeyError"):
+        await lmq.compile('"start"\n"[C: failing(\'k\')]"').run({}, backend)
+    assert backend.stats().pinned_nodes == 0
 
 
 async def test_a_constraint_on_a_nested_querys_hole_is_a_clear_error(make_backend):
