@@ -12,6 +12,7 @@ the n best results; `beam_sample(n=4, temperature=1.0, seed=None)` among n token
 from __future__ import annotations
 
 import ast as pyast
+import math
 from dataclasses import dataclass
 
 from ..backend.protocol import DEFAULT_MAX_LEN
@@ -80,12 +81,12 @@ class DecoderSpec:
             spec = cls(name=name, **args)
         except TypeError:
             raise LMQCompileError(f"decoder {name}: unknown argument(s) in {sorted(args)}") from None
-        checks = [("b", isinstance(spec.b, int) and not isinstance(spec.b, bool) and spec.b >= 1, "an integer >= 1"),
-                  ("n", isinstance(spec.n, int) and not isinstance(spec.n, bool) and spec.n >= 1, "an integer >= 1"),
-                  ("temperature", isinstance(spec.temperature, (int, float)) and spec.temperature >= 0, "a number >= 0"),
-                  ("top_p", isinstance(spec.top_p, (int, float)) and 0 < spec.top_p <= 1, "a number in (0, 1]"),
-                  ("seed", spec.seed is None or isinstance(spec.seed, int), "an integer"),
-                  ("max_len", isinstance(spec.max_len, int) and spec.max_len >= 1, "an integer >= 1")]
+        checks = [("b", _integer(spec.b) and spec.b >= 1, "an integer >= 1"),
+                  ("n", _integer(spec.n) and spec.n >= 1, "an integer >= 1"),
+                  ("temperature", _number(spec.temperature) and spec.temperature >= 0, "a finite number >= 0"),
+                  ("top_p", _number(spec.top_p) and 0 < spec.top_p <= 1, "a number in (0, 1]"),
+                  ("seed", spec.seed is None or _integer(spec.seed), "an integer"),
+                  ("max_len", _integer(spec.max_len) and spec.max_len >= 1, "an integer >= 1")]
         for field_name, ok, what in checks:
             if not ok:
                 raise LMQCompileError(f"decoder {name}: {field_name} must be {what}, got {getattr(spec, field_name)!r}")
@@ -135,3 +136,13 @@ def _check_best_k(options: BestK) -> BestK:
         if not ok(getattr(options, name)):
             raise LMQCompileError(f"decoder best_k: {name} must be {what}, got {getattr(options, name)!r}")
     return options
+
+
+def _integer(value) -> bool:
+    """An int that is not a bool (`True` is an int in Python, never a count or a seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    """A finite int or float that is not a bool."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)

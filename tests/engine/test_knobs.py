@@ -337,6 +337,20 @@ def test_a_knob_out_of_range_is_a_compile_error_naming_it(decoder, argument):
         lmq.Query('"a[X]"', decoder=decoder)
 
 
+@pytest.mark.parametrize("decoder, argument", [
+    ("sample(temperature=True)", "temperature must be a finite number >= 0, got True"),
+    ("sample(temperature=1e400)", "temperature must be a finite number >= 0, got inf"),
+    ("sample(temperature=-0.5)", "temperature must be a finite number >= 0, got -0.5"),
+    ("sample(seed=True)", "seed must be an integer, got True"),
+    ("sample(seed=1.5)", "seed must be an integer, got 1.5"),
+    ("sample(top_p=True)", r"top_p must be a number in \(0, 1\], got True"),
+])
+def test_a_decoder_argument_out_of_range_is_a_compile_error_naming_it(decoder, argument):
+    """A bool is an int in Python, and 1e400 a float: neither is a temperature or a seed."""
+    with pytest.raises(LMQCompileError, match=rf"decoder \w+: {argument}"):
+        lmq.Query(f'{decoder}\n    "a[X]"')
+
+
 def test_knobs_in_range_compile():
     spec = lmq.Query('sample(top_k=1, repetition_penalty=1, frequency_penalty=-2, presence_penalty=2)\n'
                      '    "a[X]"').decoder
