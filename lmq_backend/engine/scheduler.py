@@ -42,7 +42,7 @@ from ..cache.kv_store import KVStore, OutOfSlots
 from ..cache.prefix_cache import PrefixCache
 from ..cache.stats import StepInfo
 from ..errors import LMQBackendError
-from . import admission
+from . import admission, collector
 from .admission import AHEAD, DECODE_RESERVE, Waiting
 from .picks import Draw, per_row
 from .rows import Batch, Continuation, ContinuationGroup, Decode, PrefillRequest, Preempted, Row
@@ -159,9 +159,16 @@ class Scheduler:
             self._reset_rows()
             self._wake, self._bound, self._join_timer = asyncio.Event(), loop, None
         self._task = loop.create_task(self._run(), name="lmq-scheduler")
-        # (an ended task is dropped: cancelled with its loop, it holds a traceback through `_run` back to self)
-        self._task.add_done_callback(lambda task: setattr(self, "_task", None) if self._task is task else None)
+        collector.busy()  # (while the task lives, the cyclic collector's young generation is collected less often)
+        self._task.add_done_callback(self._ended)
         return loop
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The step task ended (idle, closed, or cancelled with its loop): it is dropped (cancelled with its loop,
+        it holds a traceback through `_run` back to self)."""
+        collector.idle()
+        if self._task is task:
+            self._task = None
 
     def close(self) -> None:
         """The backend was closed: the queries waiting on the engine fail, the rows leave, the step task stops,
