@@ -2,6 +2,7 @@
 and the form of a compiled query that travels to the replicas."""
 from __future__ import annotations
 
+import ast as pyast
 import copy
 from typing import Any
 
@@ -13,7 +14,8 @@ MAX_CHARS = 1 << 16  # enough to tell prefixes apart; longer texts are cut (the 
 def prompt_prefix(query, inputs: dict[str, Any]) -> str:
     """The literal text the query's prompt starts with for `inputs`: its leading prompt strings, their text
     and `{expressions}`, up to the first hole or the first statement that is not a prompt string. An
-    expression that fails to evaluate here ends the text (the call itself reports the error)."""
+    expression that fails to evaluate here ends the text (the call itself reports the error), and so does one
+    that could change what it reads (`{todo.pop(0)}`: the call runs it on the replica, once; `_side_effect_free`)."""
     env = {k: query.scope[k] for k in query._needs if k in query.scope}
     env.update(inputs)
     parts: list[str] = []
@@ -24,6 +26,8 @@ def prompt_prefix(query, inputs: dict[str, Any]) -> str:
             if isinstance(piece, ast.Text):
                 parts.append(piece.text)
             elif isinstance(piece, ast.Interp):
+                if not all(_side_effect_free(p.expr.source) for p in ast.interps([piece])):
+                    return "".join(parts)[:MAX_CHARS]
                 try:
                     parts.append(_interp_text(piece, env))
                 except Exception:  # noqa: BLE001 - routing only: the replica raises the real error
@@ -34,6 +38,34 @@ def prompt_prefix(query, inputs: dict[str, Any]) -> str:
 
 
 _CONVERSIONS = {"r": repr, "s": str, "a": ascii}
+
+# What a routing prefix may evaluate: names, constants, attributes, subscripts, operators, displays, and calls of
+# builtins and str methods that change nothing (not a method such as `pop`, a generator's `next`, a comprehension
+# that drains an iterator, or the user's own functions).
+_PURE_NODES = (pyast.Expression, pyast.Name, pyast.Load, pyast.Constant, pyast.Attribute, pyast.Subscript,
+               pyast.Slice, pyast.BinOp, pyast.UnaryOp, pyast.BoolOp, pyast.Compare, pyast.IfExp, pyast.Tuple,
+               pyast.List, pyast.Dict, pyast.Set, pyast.JoinedStr, pyast.FormattedValue, pyast.keyword,
+               pyast.operator, pyast.unaryop, pyast.boolop, pyast.cmpop, pyast.Call)
+_PURE_FUNCTIONS = {"str", "repr", "len", "int", "float", "round", "abs", "min", "max", "sorted", "format", "bool"}
+_PURE_METHODS = {"join", "strip", "lstrip", "rstrip", "upper", "lower", "title", "capitalize", "casefold",
+                 "format", "replace", "split", "rsplit", "splitlines", "removeprefix", "removesuffix", "get",
+                 "center", "ljust", "rjust", "zfill"}
+_PURE: dict[str, bool] = {}
+
+
+def _side_effect_free(source: str) -> bool:
+    """Whether evaluating the expression `source` for a routing prefix leaves everything as it found it."""
+    if source not in _PURE:
+        try:
+            tree = pyast.parse(source.strip(), mode="eval")
+        except SyntaxError:
+            _PURE[source] = False
+            return False
+        _PURE[source] = all(isinstance(node, _PURE_NODES) and (not isinstance(node, pyast.Call) or (
+            isinstance(node.func, pyast.Name) and node.func.id in _PURE_FUNCTIONS) or (
+            isinstance(node.func, pyast.Attribute) and node.func.attr in _PURE_METHODS))
+            for node in pyast.walk(tree))
+    return _PURE[source]
 
 
 def _interp_text(piece: ast.Interp, env: dict[str, Any], nested: bool = False) -> str:

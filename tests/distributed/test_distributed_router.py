@@ -112,6 +112,16 @@ def test_prompt_prefix_formats_fields_as_python_does():
     assert prompt_prefix(q, inputs) == f"{3.14159:>8.2f}|{'a [X]'!r}|{12345:,}|x={3.14159!r}|a [X]"
 
 
+def test_prompt_prefix_never_runs_an_expression_that_could_change_its_inputs():
+    """The routing prefix is rendered on the client from the inputs the replica then gets: `{todo.pop(0)}` run
+    there would leave the replica one item short (a wrong answer, no error). Such a field ends the text; names,
+    operators and str methods do not."""
+    q = lmq.compile('"{head.strip()} and {' + "' '.join(tags)" + '}: {todo.pop(0)}, then [X]"\nreturn todo')
+    inputs = {"head": " Tasks ", "tags": ["a", "b"], "todo": ["wash", "cook", "eat"]}
+    assert prompt_prefix(q, inputs) == "Tasks and a b: "
+    assert inputs["todo"] == ["wash", "cook", "eat"]
+
+
 def test_a_shipped_query_keeps_only_what_it_reads():
     q = shippable(CLASSIFY)
     assert q.source == CLASSIFY.source and q.name == "classify"
