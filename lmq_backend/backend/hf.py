@@ -44,12 +44,15 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
         return torch.float32
     if dtype is None:
         return torch.float32 if device == "cpu" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return getattr(torch, str(dtype))
-    except AttributeError:
-        raise LMQBackendError(f"unknown dtype {dtype!r}") from None
+    resolved = dtype if isinstance(dtype, torch.dtype) else MODEL_DTYPES.get(str(dtype).removeprefix("torch."))
+    if resolved not in MODEL_DTYPES.values():
+        raise LMQBackendError(f"unknown dtype {dtype!r}: use {', '.join(MODEL_DTYPES)}, or on a CPU "
+                              f"{' or '.join(QUANTIZED_DTYPES)} (weight-only quantized)")
+    return resolved
+
+
+# the dtypes a model's weights and K/V are computed in (`dtype=`; torch's own names, or the torch.dtype)
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 _frozen = False
@@ -104,9 +107,10 @@ class HFBackend(Backend):
         if not Path(path).is_dir():
             raise LMQBackendError(f"no model folder at {path!s} (lmq loads local folders only, never a hub)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = _resolve_dtype(dtype, device)  # (a dtype it does not know, before the model loads)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype, device), **PRETRAINED)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **PRETRAINED)
         except Exception as e:  # noqa: BLE001 - any loader failure is a backend error for the user
             raise LMQBackendError(f"could not load a causal LM from {path!s}: {e}") from e
         if str(dtype) in QUANTIZED_DTYPES:  # "int4" of the default model: its shipped Q4_1 weights as they are

@@ -266,6 +266,21 @@ def test_quantized_dtypes_are_cpu_only():
         _resolve_dtype("int4", "cuda")
 
 
+@pytest.mark.parametrize("dtype", ["cuda", "nn", "float8_e4m3fn", "INT8", "int8 ", torch.int8])
+def test_an_unknown_dtype_is_named_before_the_model_loads(dtype):
+    """A torch attribute that is no dtype a model computes in (`torch.cuda`, `torch.nn`, float8) or a misspelt
+    name gets a message listing the dtypes, not a loader's error about pickling a module."""
+    import lmq_backend as lmq
+    from lmq_backend.backend.hf import _resolve_dtype
+    from lmq_backend.errors import LMQBackendError
+
+    with pytest.raises(LMQBackendError, match=r"unknown dtype .*: use float32, bfloat16, float16, or on a CPU int8 or "
+                                              r"int4") as e:
+        lmq.HFBackend("default", device="cpu", dtype=dtype)
+    assert "could not load" not in str(e.value)
+    assert _resolve_dtype("torch.bfloat16", "cpu") == torch.bfloat16 and _resolve_dtype(torch.float16, "cpu") == torch.float16
+
+
 # ----------------------------------------------------------------------------------- the default model
 
 @pytest.mark.slow
