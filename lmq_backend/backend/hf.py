@@ -52,7 +52,8 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
 
 
 # the dtypes a model's weights and K/V are computed in (`dtype=`; torch's own names, or the torch.dtype)
-MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
 
 
 _frozen = False

@@ -274,11 +274,12 @@ def test_an_unknown_dtype_is_named_before_the_model_loads(dtype):
     from lmq_backend.backend.hf import _resolve_dtype
     from lmq_backend.errors import LMQBackendError
 
-    with pytest.raises(LMQBackendError, match=r"unknown dtype .*: use float32, bfloat16, float16, or on a CPU int8 or "
-                                              r"int4") as e:
+    with pytest.raises(LMQBackendError, match=r"unknown dtype .*: use float32, bfloat16, float16, float64, or on a "
+                                              r"CPU int8 or int4") as e:
         lmq.HFBackend("default", device="cpu", dtype=dtype)
     assert "could not load" not in str(e.value)
-    assert _resolve_dtype("torch.bfloat16", "cpu") == torch.bfloat16 and _resolve_dtype(torch.float16, "cpu") == torch.float16
+    assert _resolve_dtype("torch.bfloat16", "cpu") == torch.bfloat16
+    assert _resolve_dtype(torch.float16, "cpu") == torch.float16
 
 
 # ----------------------------------------------------------------------------------- the default model
