@@ -243,13 +243,15 @@ def compile(source: str, *, name: str | None = None, model: str | Backend | None
 
 
 def query(fn: Callable | None = None, *, model: str | Backend | None = None, decoder: str | None = None):
-    """Decorate a function whose docstring is a query; its parameters are the query's inputs."""
+    """Decorate a function whose docstring is a query; its parameters are the query's inputs. The docstring is
+    read as written in the source, as LMQL reads it (`"Q: {q}\\n"` is the query's own string with its escape, not a
+    line break Python made of it); where the source is not at hand (code given to `exec`), as Python made it."""
     def wrap(f: Callable) -> Query:
         doc = f.__doc__
         if not doc or not doc.strip():
             raise LMQCompileError(f"@lmq.query function {f.__name__} has no query in its docstring")
         signature = inspect.signature(f)
-        q = Query(textwrap.dedent(doc), name=f.__name__, model=model, decoder=decoder,
+        q = Query(textwrap.dedent(_docstring_as_written(f) or doc), name=f.__name__, model=model, decoder=decoder,
                   inputs=signature.parameters, scope=f.__globals__, signature=signature)
         q.__doc__, q.__name__, q.__wrapped__ = doc, f.__name__, f
         return q
@@ -264,3 +266,22 @@ def _default_name(source: str, decoder: str) -> str:
     if len(lines) > 1 and re.fullmatch(rf"{re.escape(decoder)}\s*(\(.*\))?\s*:?", lines[0]):
         lines = lines[1:]
     return lines[0][:60] if lines else "query"
+
+
+def _docstring_as_written(f: Callable) -> str | None:
+    """`f`'s docstring as its source spells it (escapes as they stand), or None where the source is not at hand."""
+    try:
+        source = textwrap.dedent(inspect.getsource(f))
+        tree = pyast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (pyast.FunctionDef, pyast.AsyncFunctionDef)) or not node.body:
+        return None
+    first = node.body[0]
+    if not (isinstance(first, pyast.Expr) and isinstance(first.value, pyast.Constant)
+            and isinstance(first.value.value, str)):
+        return None
+    literal = pyast.get_source_segment(source, first.value) or ""
+    m = re.fullmatch(r"[rRuU]?('\'\'|\"\"\"|'|\")(.*)\1", literal, re.S)
+    return m.group(2) if m is not None else None

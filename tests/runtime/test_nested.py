@@ -33,7 +33,7 @@ def one_of(choices):
 def items(n: int):
     '''lmq
     for i in range(n):
-        "\\n-[ITEM]" where len(TOKENS(ITEM)) < 3
+        "\n-[ITEM]" where len(TOKENS(ITEM)) < 3
     '''
 
 

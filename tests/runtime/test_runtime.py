@@ -134,7 +134,7 @@ async def test_return_value_and_decorated_query(default_backend):
     @lmq.query(model="default")
     async def capital(country):
         '''lmql
-        "Q: What is the capital of {country}?\\nA:[ANSWER]" where STOPS_AT(ANSWER, "\\n") and len(TOKENS(ANSWER)) < 8
+        "Q: What is the capital of {country}?\nA:[ANSWER]" where STOPS_AT(ANSWER, "\n") and len(TOKENS(ANSWER)) < 8
         return ANSWER.strip()
         '''
 

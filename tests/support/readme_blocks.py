@@ -2,7 +2,8 @@
 
     python tests/support/readme_blocks.py README.md 0 1 [--prelude JSON]
 
-A block may `await` at top level (as in `python -m asyncio` or a notebook). The namespace is __main__'s,
+A block may `await` at top level (as in `python -m asyncio` or a notebook), and its source is where `inspect`
+finds it, as a notebook's cell's is. The namespace is __main__'s,
 so a block's `if __name__ == "__main__":` runs. The prelude defines names a block leaves to the reader.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import inspect
 import io
 import json
+import linecache
 import re
 import sys
 
@@ -32,8 +34,11 @@ def main(argv: list[str]) -> None:
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, **prelude}
     outputs = []
     for index in map(int, rest):
-        code = compile(blocks[index], f"<README python block {index}>", "exec",
-                       flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        name = f"<README python block {index}>"
+        # the block's source where `inspect` looks for it (a notebook keeps each cell's so; `@lmq.query` reads
+        # a docstring as written there)
+        linecache.cache[name] = (len(blocks[index]), None, blocks[index].splitlines(True), name)
+        code = compile(blocks[index], name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             if code.co_flags & inspect.CO_COROUTINE:
