@@ -145,7 +145,8 @@ async def test_a_limit_that_leaves_room_for_an_option_gives_one_on_the_default_m
         r = await q()
         assert r["Y"] in (" apple pie", " pear")
         assert len(default_backend.tokenizer.encode(r["Y"], add_special_tokens=False)) < limit
-    r = await lmq.compile('"Another:[Y]" where Y in [" apple", " pear"] and len(TOKENS(Y)) < 4', model=default_backend)()
+    q = lmq.compile('"Another:[Y]" where Y in [" apple", " pear"] and len(TOKENS(Y)) < 4', model=default_backend)
+    r = await q()
     assert r["Y"] == " apple"  # (the option it takes without a limit)
 
 
