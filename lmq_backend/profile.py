@@ -312,6 +312,9 @@ def run_cli(args, read_source: Callable[[str], str]) -> int:
         raise LMQInputError(f"--concurrency must be at least 1, got {args.concurrency}")
     if args.plot:
         _require_matplotlib()
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():  # (found out before the run, not after it, with its report lost)
+            raise LMQInputError(f"--plot {args.plot}: no folder {folder} to write it in")
     query = lmq.Query(read_source(args.file), name=args.file if args.file != "-" else "stdin", model=args.model)
     required, accepted = query_inputs(query)
     inputs = read_inputs(args.inputs, required, accepted)
@@ -325,7 +328,11 @@ def run_cli(args, read_source: Callable[[str], str]) -> int:
         if args.log_steps:
             backend.on_step(None)
     if args.plot:
-        plot_report(report, args.plot)
+        try:
+            plot_report(report, args.plot)
+        except OSError as e:  # the report is printed all the same
+            print(f"lmq: --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            args.plot = None
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

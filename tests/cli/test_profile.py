@@ -236,6 +236,22 @@ def test_cli_json_agrees_with_stats_and_plots(tiny_cli, tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
+def test_cli_plot_where_it_cannot_be_written(tiny_cli, tmp_path, capsys):
+    """--plot into a folder that does not exist stops before any call; a plot that fails to write after the run
+    (a folder in its place) leaves the report printed, and says why."""
+    import matplotlib  # noqa: F401
+    backend, query, inputs = tiny_cli
+    data = inputs(review("good"), review("bad"))
+    rc = main(["profile", query, "--inputs", data, "--model", "tiny-test", "--no-progress",
+               "--plot", str(tmp_path / "no-such-folder" / "out.png")])
+    assert rc != 0 and "no folder" in capsys.readouterr().err and backend.stats().lookups == 0
+    (tmp_path / "taken.png").mkdir()
+    rc = main(["profile", query, "--inputs", data, "--model", "tiny-test", "--no-progress", "--json",
+               "--plot", str(tmp_path / "taken.png")])
+    captured = capsys.readouterr()
+    assert rc == 0 and json.loads(captured.out)["calls_ok"] == 2 and "--plot" in captured.err
+
+
 def test_cli_table_and_progress_bar(tiny_cli, capsys):
     backend, query, inputs = tiny_cli
     rc = main(["profile", query, "--inputs", inputs(review("good"), review("good"))])
