@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import ast as pyast
+import dataclasses
+import enum
 import json
 import sys
 
@@ -46,11 +48,21 @@ def _parse_vars(items: list[str]) -> dict:
 
 
 def _jsonable(value):
-    try:
-        json.dumps(value)
+    """A query's returned value as JSON would hold it: tuples and sets as lists, dataclasses and pydantic models as
+    objects, enums as their values; anything else JSON has no form for, its repr."""
+    if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    except TypeError:
-        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # a pydantic model
+        return _jsonable(value.model_dump())
+    if isinstance(value, enum.Enum):
+        return _jsonable(value.value)
+    return repr(value)
 
 
 def _run_streaming(query, inputs: dict):
@@ -94,7 +106,7 @@ def cmd_run(args) -> int:
     # a list is n results only for n > 1: a query may also return a list (one result, printed as itself)
     results = result if query.decoder.n > 1 or query.decoder.beam else [result]
     if args.json:
-        print(json.dumps([r.__dict__ if isinstance(r, lmq.Result) else _jsonable(r) for r in results],
+        print(json.dumps([_jsonable(r.__dict__ if isinstance(r, lmq.Result) else r) for r in results],
                          indent=2, default=repr))
         return 0
     for i, r in enumerate(results):

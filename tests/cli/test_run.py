@@ -3,6 +3,7 @@ inputs line naming one) and the query it reads (no query in the file or on stand
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -71,3 +72,22 @@ def test_a_query_on_stdin_runs(tiny_run, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO(QUERY))
     assert main(["run", "-", "--var", "review=awful"]) == 0
     assert capsys.readouterr().out.startswith("Review: awful\nSentiment:")
+
+
+def test_json_gives_a_returned_tuple_and_dataclass_as_json(tiny_run, tmp_path, capsys):
+    """`lmq run --json` of a query that returns a tuple holding a dataclass, an enum and a set: JSON arrays and
+    objects, not one repr string."""
+    path = tmp_path / "typed.lmq"
+    path.write_text('import dataclasses, enum\n'
+                    '@dataclasses.dataclass\n'
+                    'class City:\n'
+                    '    name: str\n'
+                    '    rank: int\n'
+                    'class Size(enum.Enum):\n'
+                    '    BIG = "big"\n'
+                    '"Review: {review}\\nSentiment:[CLS]" where CLS in [" good", " bad"]\n'
+                    'return (CLS, City("Paris", 1), Size.BIG, {3})\n'
+                    'from "tiny-run"\n')
+    assert main(["run", str(path), "--var", "review=fine", "--json"]) == 0
+    [value] = json.loads(capsys.readouterr().out)
+    assert value[0] in (" good", " bad") and value[1:] == [{"name": "Paris", "rank": 1}, "big", [3]]
