@@ -171,13 +171,37 @@ def cmd_cache_ls(args) -> int:
 
 
 def cmd_cache_clear(args) -> int:
-    from .cache.disk_tier import clear
+    from .cache.disk_tier import clear, usage
     from .cache.stats import format_bytes
 
     folder = _cache_folder(args)
-    files, nbytes = clear(folder, args.model)
+    if args.model is None:
+        files, nbytes = clear(folder)
+    else:
+        keys = _cached_model_keys(usage(folder), args.model)
+        files = nbytes = 0
+        for key in keys:
+            f, n = clear(folder, key)
+            files, nbytes = files + f, nbytes + n
     print(f"removed {files} files, {format_bytes(nbytes)} from {folder}")
     return 0
+
+
+def _cached_model_keys(models: list, model: str) -> list[str]:
+    """The keys of the cached models `--model` names: a key or its start (at least 4 characters, as `ls` shows
+    it), or a name as `from` gives it (`default`, `hf:<dir>`, a folder); none is an error listing them."""
+    names = {model.strip()}
+    if model.strip() == "default":
+        from .backend.default_model import default_model_dir
+
+        names.add(str(default_model_dir()))
+    names |= {n.removeprefix("hf:") for n in names}
+    keys = [u.key for u in models if str(u.description.get("name", "")) in names
+            or (len(model.strip()) >= 4 and u.key.startswith(model.strip()))]
+    if not keys:
+        cached = ", ".join(f"{u.description.get('name', '?')} ({u.key[:12]})" for u in models) or "none"
+        raise LMQInputError(f"cache clear --model {model!r}: no cached model of that key or name (cached: {cached})")
+    return keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_cache_ls)
     clear = cache_sub.add_parser("clear", help="remove the cached K/V files (of every model, or of one)")
     clear.add_argument("--model", default=None, metavar="KEY|NAME",
-                       help="only this model's files: a key (or its start, as `ls` shows it) or a name")
+                       help="only this model's files: a key (or its start, as `ls` shows it) or a name "
+                            "(`default`, a folder)")
     clear.set_defaults(func=cmd_cache_clear)
     for p in (ls, clear):
         p.add_argument("--dir", default=None, help="the disk tier's folder (default: as above)")

@@ -37,5 +37,10 @@ def test_a_second_lmq_run_starts_warm_from_the_disk_tier(tmp_path):
     assert lmq(*run, folder=folder) == first
     assert any(f.stat().st_mtime > time.time() - 3600 for f in files)
     assert "1 model" in lmq("cache", "ls", folder=folder)
-    assert "removed" in lmq("cache", "clear", folder=folder)
+    for name in ("nosuchmodel", ""):  # a name that is not cached: an error listing what is, nothing removed
+        out = subprocess.run([sys.executable, "-m", "lmq_backend.cli", "cache", "clear", "--model", name],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "LMQ_DISK_CACHE": str(folder)})
+        assert out.returncode != 0 and "no cached model" in out.stderr and model["key"][:12] in out.stderr
+    assert f"removed {model['files']} files" in lmq("cache", "clear", "--model", "default", folder=folder)
     assert "no cached K/V" in lmq("cache", "ls", folder=folder)
