@@ -365,6 +365,8 @@ def test_the_disk_tier_counts_and_removes_only_its_own_files(tmp_path):
     assert clear(tmp_path) == (2, sum(size for _ in ours)) and not any(p.exists() for p in written)
     assert (tmp_path / "photos" / "a.jpg").exists() and (tmp_path / "notes.txt").exists()
     assert (lookalike / f"{'23' * 16}.kv").exists() and (tier.model_folder / "README").exists()
+    theirs = tmp_path / "photos"  # a folder lmq wrote nothing in: cleared, it gets no file of lmq's either
+    assert clear(theirs) == (0, 0) and sorted(p.name for p in theirs.iterdir()) == ["a.jpg"]
 
 
 def test_a_file_that_evicts_the_last_of_its_own_start_folder_is_kept(tmp_path):
