@@ -11,8 +11,7 @@ import inspect
 import re
 import textwrap
 import time
-from collections import ChainMap
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from ..backend.protocol import Backend
 from ..backend.registry import get_backend
@@ -58,7 +57,7 @@ class Query:
 
     def __init__(self, source: str, *, name: str | None = None, model: str | Backend | None = None,
                  decoder: str | None = None, inputs: Iterable[str] | None = None,
-                 scope: Mapping[str, Any] | None = None, signature: inspect.Signature | None = None):
+                 scope: dict[str, Any] | None = None, signature: inspect.Signature | None = None):
         self.source = source
         self.ast = parse_query(source)
         self.scope = scope if scope is not None else {}  # live: a global defined or changed later is seen
@@ -238,14 +237,13 @@ def _run_sync(coro):
 
 def compile(source: str, *, name: str | None = None, model: str | Backend | None = None,
             inputs: Iterable[str] | None = None) -> Query:
-    """Parse and check a query once. The caller's module globals are visible to the query (as they are when it
-    runs), and where it is compiled inside a function, that function's variables (as they are now)."""
-    return Query(source, name=name, model=model, inputs=inputs, scope=_defining_scope(inspect.currentframe().f_back))
+    """Parse and check a query once. The caller's module globals are visible to the query."""
+    caller = inspect.currentframe().f_back
+    return Query(source, name=name, model=model, inputs=inputs, scope=caller.f_globals if caller else {})
 
 
 def query(fn: Callable | None = None, *, model: str | Backend | None = None, decoder: str | None = None):
-    """Decorate a function whose docstring is a query; its parameters are the query's inputs, and it sees what
-    `compile` lets a query see where the function is defined (as LMQL's queries do). The docstring is
+    """Decorate a function whose docstring is a query; its parameters are the query's inputs. The docstring is
     read as written in the source, as LMQL reads it (`"Q: {q}\\n"` is the query's own string with its escape, not a
     line break Python made of it); where the source is not at hand (code given to `exec`), as Python made it."""
     def wrap(f: Callable) -> Query:
@@ -253,12 +251,8 @@ def query(fn: Callable | None = None, *, model: str | Backend | None = None, dec
         if not doc or not doc.strip():
             raise LMQCompileError(f"@lmq.query function {f.__name__} has no query in its docstring")
         signature = inspect.signature(f)
-        frame = inspect.currentframe().f_back
-        while frame is not None and frame.f_globals.get("__name__") == __name__:  # (through `query(fn)`)
-            frame = frame.f_back
-        scope = _defining_scope(frame) if frame is not None and frame.f_globals is f.__globals__ else f.__globals__
         q = Query(textwrap.dedent(_docstring_as_written(f) or doc), name=f.__name__, model=model, decoder=decoder,
-                  inputs=signature.parameters, scope=scope, signature=signature)
+                  inputs=signature.parameters, scope=f.__globals__, signature=signature)
         q.__doc__, q.__name__, q.__wrapped__ = doc, f.__name__, f
         return q
 
@@ -291,13 +285,3 @@ def _docstring_as_written(f: Callable) -> str | None:
     literal = pyast.get_source_segment(source, first.value) or ""
     m = re.fullmatch(r"[rRuU]?('\'\'|\"\"\"|'|\")(.*)\1", literal, re.S)
     return m.group(2) if m is not None else None
-
-
-def _defining_scope(frame) -> Mapping[str, Any]:
-    """What a query defined in `frame` sees: the module's globals (the dict itself: a global defined or changed
-    later is seen), and first, where it is defined inside a function, that function's variables as they are."""
-    if frame is None:
-        return {}
-    if frame.f_locals is frame.f_globals:
-        return frame.f_globals
-    return ChainMap(dict(frame.f_locals), frame.f_globals)

@@ -158,28 +158,6 @@ async def test_run_sync_where_a_loop_runs_as_in_a_notebook(make_backend):
     assert isinstance(r, lmq.Result) and r.prompt == (await q()).prompt
 
 
-async def test_a_query_defined_in_a_function_sees_its_variables(make_backend):
-    """As LMQL's: a query written inside a function reads that function's variables (`where CLS in labels`), the
-    module's globals still live; `lmq.compile` and `@lmq.query` alike."""
-    backend = make_backend()
-
-    def make():
-        labels = [" good", " bad"]
-        prefix = "Review: "
-        compiled = lmq.compile('"{prefix}{review}\\nSentiment:[CLS]" where CLS in labels', model=backend)
-
-        @lmq.query(model=backend)
-        def decorated(review):
-            '''lmq
-            "{prefix}{review}\nSentiment:[CLS]" where CLS in labels
-            '''
-        return compiled, decorated
-
-    compiled, decorated = make()
-    a, b = await compiled(review="fine"), await decorated("fine")
-    assert a.prompt == b.prompt and a.prompt.startswith("Review: fine\nSentiment:") and a["CLS"] in (" good", " bad")
-
-
 def test_a_queries_default_name_is_its_first_line_after_the_decoder():
     """Queries that share a decoder line are told apart in the statistics (`per_template`): a query's default
     name is its first line that is not the decoder clause alone."""
