@@ -190,14 +190,14 @@ def cmd_cache_clear(args) -> int:
 def _cached_model_keys(models: list, model: str) -> list[str]:
     """The keys of the cached models `--model` names: a key or its start (at least 4 characters, as `ls` shows
     it), or a name as `from` gives it (`default`, `hf:<dir>`, a folder); none is an error listing them."""
-    names = {model.strip()}
-    if model.strip() == "default":
+    given = model.strip()
+    names = {given, given.removeprefix("hf:")}
+    if given == "default":
         from .backend.default_model import default_model_dir
 
         names.add(str(default_model_dir()))
-    names |= {n.removeprefix("hf:") for n in names}
     keys = [u.key for u in models if str(u.description.get("name", "")) in names
-            or (len(model.strip()) >= 4 and u.key.startswith(model.strip()))]
+            or (len(given) >= 4 and u.key.startswith(given))]
     if not keys:
         cached = ", ".join(f"{u.description.get('name', '?')} ({u.key[:12]})" for u in models) or "none"
         raise LMQInputError(f"cache clear --model {model!r}: no cached model of that key or name (cached: {cached})")

@@ -582,7 +582,7 @@ def clear(folder: Path, model: str | None = None) -> tuple[int, int]:
     files, then its start folders and its model folder where nothing else is in them; returns (files, bytes)
     removed."""
     files = nbytes = 0
-    if not folder.is_dir() or not usage(folder):  # (a folder lmq wrote nothing in gets no lock file either)
+    if not _models(folder):  # (none, or no folder: a folder lmq wrote nothing in gets no lock file either)
         return 0, 0
     with folder_lock(folder):
         for u in usage(folder):

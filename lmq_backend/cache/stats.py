@@ -33,9 +33,9 @@ as reused, like the trie's own:
 
 Counters are kept in total and per query template (``per_template``, keyed by ``Query.name``: the
 function name for ``@lmq.query``, else the ``name=`` given, else the first line of the source that is not the
-decoder clause alone; ``lmq run``/``lmq profile`` name a file's query by its path). Each template also records the wall time of each
-call (``latencies``, seconds; the most recent LATENCY_WINDOW calls, so that a server's statistics stay the same
-size), summarised as ``p50``/``p95``.
+decoder clause alone; ``lmq run``/``lmq profile`` name a file's query by its path). Each template also records
+the wall time of each call (``latencies``, seconds; the most recent LATENCY_WINDOW calls, so that a server's
+statistics stay the same size), summarised as ``p50``/``p95``.
 """
 from __future__ import annotations
 

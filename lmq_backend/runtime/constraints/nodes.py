@@ -23,7 +23,8 @@ class _Node:
     # whether its states' masks cost far more than checking one token (`_State.allows`): a greedy pick then
     # checks the unconstrained pick first (`HoleLoop`); llguidance's (llg.py)
     checks_tokens = False
-    # whether the last token a token limit allows is chosen among those the value may end after (`HoleState`)
+    # whether, under a token limit, a mask holds only the tokens after which the value can still end within the
+    # tokens the limit leaves (`HoleState._looks_ahead`); not llguidance's (llg.py)
     looks_ahead = True
 
     def state(self, ctx: _Ctx) -> "_State":
